@@ -1,0 +1,337 @@
+"""Configuration: the model's facts and the engine's arguments, validated in one place.
+
+``EngineArgs`` holds what a user sets (vLLM's names; the CLI flags are generated from its fields).
+``EngineArgs.create_config()`` resolves defaults against the model and the device and raises
+``ConfigError`` naming the flag to change. Everything downstream reads the resolved ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve.errors import ConfigError
+
+
+def flag(name: str) -> str:
+    """``max_num_seqs`` -> ``max_num_seqs (--max-num-seqs)``: errors serve both API and CLI users."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(value: str | int | float | None, what: str) -> int | None:
+    """Parse ``8192``, ``8k``, ``1K``, ``4GiB``, ``512MB`` into an int (tokens or bytes)."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", str(value))
+    if not m:
+        raise ConfigError(f"{flag(what)}: cannot parse {value!r}; use an integer such as 8192, 8k or 4GiB.")
+    unit = (m.group(2) or "").lower()
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+# --------------------------------------------------------------------------------------------------
+# Model facts
+# --------------------------------------------------------------------------------------------------
+
+_SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the engine needs, read from a Hugging Face ``config.json``."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type", "")
+        if model_type not in _SUPPORTED_TYPES:
+            raise ConfigError(
+                f"Unsupported architecture model_type={model_type!r} "
+                f"(supported: {', '.join(sorted(_SUPPORTED_TYPES))}).")
+        window = cfg.get("sliding_window")
+        uses_window = cfg.get("use_sliding_window", model_type == "mistral")
+        if window is not None and uses_window:
+            raise ConfigError(f"Sliding-window attention (sliding_window={window}) is not supported.")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"Unsupported hidden_act={cfg.get('hidden_act')!r}: only silu is supported.")
+        # transformers >= 5 writes rope_theta and the scaling into "rope_parameters".
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ConfigError(f"Unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear).")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias says so.
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    def num_params(self) -> int:
+        """Parameter count; tied embeddings are counted once."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * (q + 2 * kv) + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.qk_norm:
+            attn += 2 * d
+        layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * layer + embed + head + h
+
+
+# --------------------------------------------------------------------------------------------------
+# Where a model comes from
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved ``model`` argument: its config and, when it is a folder, where its files are."""
+
+    name: str
+    hf_config: dict
+    path: Path | None  # None: only config facts are known (dummy weights, no tokenizer)
+
+
+def resolve_model(model: str, load_format: str) -> ModelSource:
+    from pagedserve.model.known_models import KNOWN_MODELS
+    from pagedserve.model.tiny import TINY_MODEL_NAMES, ensure_tiny_model
+
+    if model in TINY_MODEL_NAMES:
+        path = ensure_tiny_model()
+        return ModelSource(model, json.loads((path / "config.json").read_text()), path)
+    path = Path(os.path.expanduser(model))
+    if (path / "config.json").is_file():
+        return ModelSource(model, json.loads((path / "config.json").read_text()), path)
+    if path.exists():
+        raise ConfigError(f"{flag('model')}: folder {str(path)!r} has no config.json.")
+    if model in KNOWN_MODELS:
+        if load_format != "dummy":
+            raise ConfigError(
+                f"{flag('model')}: {model!r} is not a local checkpoint folder and weights cannot be "
+                f"downloaded here. Pass a folder with config.json and *.safetensors, or add "
+                f"--load-format dummy to run its architecture with random weights.")
+        return ModelSource(model, dict(KNOWN_MODELS[model]), None)
+    raise ConfigError(
+        f"{flag('model')}: {model!r} is neither a local folder with config.json nor a built-in model "
+        f"(built-in: tiny, {', '.join(KNOWN_MODELS)}).")
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine arguments
+# --------------------------------------------------------------------------------------------------
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def _arg(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """Engine arguments with vLLM's names. ``None`` means "derive a default"."""
+
+    model: str = _arg("tiny", "Model: a local Hugging Face folder, 'tiny' (built in), or a built-in name such as Qwen/Qwen3-8B with --load-format dummy.", positional=True)
+    tokenizer: str | None = _arg(None, "Tokenizer folder (default: the model folder).")
+    skip_tokenizer_init: bool = _arg(False, "Do not load a tokenizer; prompts must be token ids.")
+    dtype: str = _arg("auto", "Weight and activation dtype: auto, bfloat16, float16, float32 (auto: float32 on CPU, the checkpoint's dtype on CUDA).")
+    load_format: str = _arg("auto", "auto/safetensors: read *.safetensors; dummy: random weights of the architecture.")
+    seed: int = _arg(0, "Seed for dummy weights and for sampling without a per-request seed.")
+    max_model_len: int | None = _arg(None, "Context length (prompt + output); accepts 8k-style values. Default: the model's max_position_embeddings.", size=True)
+    max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
+    max_num_batched_tokens: int | None = _arg(None, "Token budget of one step (default 8192 on CUDA, 2048 on CPU; max_model_len without chunked prefill).", size=True)
+    enable_chunked_prefill: bool = _arg(True, "Split long prompts over steps to fit the token budget.")
+    block_size: int = _arg(16, "Tokens per KV-cache block.")
+    gpu_memory_utilization: float = _arg(0.9, "Fraction of total GPU memory for this engine: weights, activations and KV cache.")
+    kv_cache_memory: int | None = _arg(None, "KV-cache bytes (e.g. 4GiB); skips the utilization-based sizing. Default on CPU: 1GiB.", size=True)
+    num_gpu_blocks_override: int | None = _arg(None, "Force the number of KV blocks (testing preemption).")
+    kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (model dtype), bfloat16, float16, float32, fp8 (=fp8_e4m3), fp8_e5m2.")
+    device: str = _arg("auto", "auto, cuda or cpu.")
+    enforce_eager: bool = _arg(False, "Never capture CUDA graphs.")
+    tensor_parallel_size: int = _arg(1, "Number of GPUs to shard the model over.")
+    attention_backend: str = _arg("auto", "Attention implementation: auto or torch (the reference).")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def create_config(self) -> "EngineConfig":
+        """Resolve every default and validate every value; the one place config errors come from."""
+        if self.load_format not in _LOAD_FORMATS:
+            raise ConfigError(f"{flag('load_format')}: {self.load_format!r} is not one of {', '.join(_LOAD_FORMATS)}.")
+        source = resolve_model(self.model, self.load_format)
+        model_config = ModelConfig.from_hf_dict(source.hf_config)
+
+        device = self._resolve_device()
+        dtype = self._resolve_dtype(model_config, device)
+        kv_dtype = self._resolve_kv_dtype(dtype)
+
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(f"{flag('tensor_parallel_size')}: only 1 is supported in this release.")
+        if self.block_size not in _BLOCK_SIZES:
+            raise ConfigError(f"{flag('block_size')}: {self.block_size} is not one of {_BLOCK_SIZES}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"{flag('gpu_memory_utilization')}: {self.gpu_memory_utilization} must be in (0, 1].")
+
+        max_model_len = parse_size(self.max_model_len, "max_model_len")
+        limit = model_config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len <= 0:
+            raise ConfigError(f"{flag('max_model_len')}: {max_model_len} must be positive.")
+        elif max_model_len > limit:
+            raise ConfigError(
+                f"{flag('max_model_len')}: {max_model_len} is larger than the model's maximum context "
+                f"length ({limit}, max_position_embeddings in config.json). Use at most {limit}.")
+
+        on_cuda = device.type == "cuda"
+        batched = parse_size(self.max_num_batched_tokens, "max_num_batched_tokens")
+        if batched is None:
+            batched = (8192 if on_cuda else 2048) if self.enable_chunked_prefill else max(max_model_len, 2048)
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = min(256 if on_cuda else 128, batched)
+        if max_num_seqs <= 0:
+            raise ConfigError(f"{flag('max_num_seqs')}: {max_num_seqs} must be positive.")
+        if batched <= 0:
+            raise ConfigError(f"{flag('max_num_batched_tokens')}: {batched} must be positive.")
+        if batched < max_num_seqs:
+            raise ConfigError(
+                f"{flag('max_num_batched_tokens')} ({batched}) must be at least {flag('max_num_seqs')} "
+                f"({max_num_seqs}): every running request needs one token of the step's budget to decode. "
+                f"Raise --max-num-batched-tokens or lower --max-num-seqs.")
+        if not self.enable_chunked_prefill and batched < max_model_len:
+            raise ConfigError(
+                f"{flag('max_num_batched_tokens')} ({batched}) is smaller than {flag('max_model_len')} "
+                f"({max_model_len}) with chunked prefill off: a long prompt could never be scheduled. "
+                f"Raise --max-num-batched-tokens, lower --max-model-len, or pass --enable-chunked-prefill.")
+
+        kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        if kv_cache_memory is not None and kv_cache_memory <= 0:
+            raise ConfigError(f"{flag('kv_cache_memory')}: {kv_cache_memory} must be positive.")
+        if kv_cache_memory is None and not on_cuda and self.num_gpu_blocks_override is None:
+            kv_cache_memory = 2**30
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise ConfigError(f"{flag('num_gpu_blocks_override')}: must be positive.")
+
+        return EngineConfig(
+            args=self, source=source, model=model_config, device=device, dtype=dtype, kv_dtype=kv_dtype,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
+            kv_cache_memory=kv_cache_memory,
+        )
+
+    def _resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device not in ("cuda", "cpu"):
+            raise ConfigError(f"{flag('device')}: {self.device!r} is not one of auto, cuda, cpu.")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"{flag('device')}: cuda was asked for but torch sees no GPU; use --device cpu.")
+        return torch.device(self.device)
+
+    def _resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        name = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if name == "auto":
+            if device.type == "cpu":
+                return torch.float32
+            name = model.torch_dtype if model.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+        if name not in _DTYPES:
+            raise ConfigError(f"{flag('dtype')}: {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}.")
+        return _DTYPES[name]
+
+    def _resolve_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        name = _DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if name == "auto":
+            return dtype
+        if name in _DTYPES:
+            return _DTYPES[name]
+        if name in _KV_DTYPES:
+            return _KV_DTYPES[name]
+        raise ConfigError(
+            f"{flag('kv_cache_dtype')}: {self.kv_cache_dtype!r} is not one of auto, "
+            f"{', '.join([*_DTYPES, *_KV_DTYPES])}.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resolved configuration: every field is final."""
+
+    args: EngineArgs
+    source: ModelSource
+    model: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory: int | None
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def enable_chunked_prefill(self) -> bool:
+        return self.args.enable_chunked_prefill
+
+    @property
+    def blocks_per_max_len_request(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)

@@ -1,0 +1,108 @@
+"""The engine core: scheduler + block pool + model runner, stepping on token ids only.
+
+It knows nothing of text: tokenization, detokenization and stop strings live in the frontend
+(``pagedserve.engine.processor``), so that in the server they never hold up a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.block_pool import BlockPool
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.scheduler import Scheduler, SchedulerStats
+from pagedserve.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreOutput:
+    """One request's news from one step: a new token and/or that it finished."""
+
+    request_id: str
+    token_id: int | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[float] | None = None     # sampled token first, then the top-N
+    logprob_ids: list[int] | None = None
+    rank: int | None = None
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative counters for metrics (vllm:*_total)."""
+
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        self.config = config
+        self.runner = ModelRunner(config)
+        budget = self.runner.budget
+        self.pool = BlockPool(budget.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, config.enable_chunked_prefill)
+        self.counters = EngineCounters()
+        self.last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        for line in budget.report_lines():
+            logger.info(line)
+        logger.info("init engine (load model, size KV cache) took %.2f seconds", time.perf_counter() - t0)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids) -> list[CoreOutput]:
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.runner.release(r.request_id for r in finished)
+        return [CoreOutput(r.request_id, None, "abort", num_preemptions=r.num_preemptions) for r in finished]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[CoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.last_stats = self.scheduler.stats(sched)
+            return []
+        result = self.runner.execute(sched, self.pool)
+        if result is None:
+            tokens, lp, lp_ids, ranks = [], None, None, None
+        else:
+            tokens = result.token_ids.tolist()  # the one host sync of the step
+            lp = result.logprobs.tolist() if result.logprobs is not None else None
+            lp_ids = result.logprob_ids.tolist() if result.logprob_ids is not None else None
+            ranks = result.ranks.tolist() if result.ranks is not None else None
+        produced = self.scheduler.update_from_output(sched, tokens)
+
+        outputs = []
+        for row, req in enumerate(produced):
+            n_lp = req.sampling_params.logprobs
+            finished = req.status.finished
+            out = CoreOutput(req.request_id, req.all_token_ids[-1],
+                             finish_reason=req.status.finish_reason if finished else None,
+                             stop_reason=req.stop_reason, first_scheduled_time=req.first_scheduled_time,
+                             num_preemptions=req.num_preemptions)
+            if n_lp is not None:
+                out.logprobs, out.logprob_ids, out.rank = lp[row][:1 + n_lp], lp_ids[row][:1 + n_lp], ranks[row]
+            outputs.append(out)
+            if req.num_output_tokens == 1:
+                self.counters.prompt_tokens += req.num_prompt_tokens
+        self.runner.release(o.request_id for o in outputs if o.finish_reason)
+
+        self.counters.generation_tokens += len(produced)
+        self.counters.num_preemptions += len(sched.preempted)
+        self.counters.num_steps += 1
+        self.last_stats = self.scheduler.stats(sched)
+        return outputs

@@ -1,0 +1,37 @@
+"""The synchronous engine: frontend processors and the core in one thread (the offline API's engine)."""
+
+from __future__ import annotations
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.processor import InputProcessor, OutputProcessor, Prompt, load_tokenizer
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.core = EngineCore(config)
+        self.inputs = InputProcessor(config, self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        request, text = self.inputs.make_request(request_id, prompt, params)
+        self.outputs.add(request, text)
+        self.core.add_request(request)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.core.abort(request_ids)
+        for rid in request_ids:
+            self.outputs.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        results, to_abort = self.outputs.process(self.core.step())
+        if to_abort:
+            self.core.abort(to_abort)
+        return results

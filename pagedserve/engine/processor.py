@@ -1,0 +1,194 @@
+"""The frontend halves of the engine: prompts in (tokenize, validate) and text out (detokenize, stop
+strings). Shared by the offline ``LLM`` and the server, which runs them on its event loop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import CoreOutput
+from pagedserve.engine.request import Request
+from pagedserve.errors import ConfigError, InvalidRequestError
+from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(config: EngineConfig):
+    """The model folder's tokenizer (with its chat template), or None when there is none to load."""
+    args = config.args
+    if args.skip_tokenizer_init:
+        return None
+    path = args.tokenizer or (str(config.source.path) if config.source.path else None)
+    if path is None or not Path(path).exists():
+        if args.tokenizer:
+            raise ConfigError(f"--tokenizer: {args.tokenizer!r} is not a local folder.")
+        return None  # a built-in name with dummy weights: token ids only
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        eos = set(config.model.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "prompt", f"{what} need a tokenizer, and this model runs without one (skip_tokenizer_init, or a "
+                          f"built-in model name with dummy weights): send the prompt as token ids.")
+        return self.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._need_tokenizer("Text prompts").encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
+        tok = self._need_tokenizer("Chat messages")
+        if tok.chat_template is None:
+            raise InvalidRequestError("messages", "This model's tokenizer has no chat template; use /v1/completions.")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception as e:  # a template that rejects the messages (e.g. roles out of order)
+            raise InvalidRequestError("messages", f"The chat template could not render these messages: {e}") from e
+        return tok.encode(text, add_special_tokens=False)
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                     arrival_time: float | None = None) -> tuple[Request, str | None]:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.config.model.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError("prompt", f"Token ids must be integers in [0, {vocab}).")
+        if not ids:
+            raise InvalidRequestError("prompt", "The prompt is empty.")
+        limit = self.config.max_model_len
+        n = len(ids)
+        if params.max_tokens is None:
+            if n >= limit:
+                raise InvalidRequestError(
+                    "prompt", f"This model's maximum context length is {limit} tokens. However, your prompt "
+                              f"has {n} tokens. Please reduce the length of the prompt.")
+            max_tokens = limit - n
+        else:
+            max_tokens = params.max_tokens
+            if n + max_tokens > limit:
+                raise InvalidRequestError(
+                    "max_tokens", f"This model's maximum context length is {limit} tokens. However, you requested "
+                                  f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+                                  f"Please reduce the length of the prompt or max_tokens.")
+        kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
+        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, **kwargs), text
+
+
+@dataclass
+class _State:
+    request: Request
+    prompt: str | None
+    stream: object | None
+    metrics: RequestMetrics
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OutputProcessor:
+    """Turns core outputs into ``RequestOutput``s: incremental detokenization (tokenizers'
+    ``DecodeStream``), logprobs, and stop strings (which finish the request and ask for an abort)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, _State] = {}
+
+    def add(self, request: Request, prompt: str | None) -> None:
+        stream = None
+        if self.tokenizer is not None:
+            from tokenizers.decoders import DecodeStream
+
+            # a few prompt tokens as context, so the first output token decodes with its leading space
+            stream = DecodeStream(ids=request.prompt_token_ids[-4:],
+                                  skip_special_tokens=request.sampling_params.skip_special_tokens)
+        state = _State(request, prompt, stream, RequestMetrics(arrival_time=request.arrival_time))
+        if request.sampling_params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.states[request.request_id] = state
+
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Return the new RequestOutputs and the ids whose stop string was hit (to abort in the core)."""
+        results, to_abort = [], []
+        now = time.monotonic()
+        for out in outputs:
+            st = self.states.get(out.request_id)
+            if st is None:  # finished here already (a stop string), the core's late news is moot
+                continue
+            m = st.metrics
+            m.first_scheduled_time = out.first_scheduled_time or m.first_scheduled_time
+            m.num_preemptions = out.num_preemptions
+            if out.token_id is not None and self._append_token(st, out, now) and out.finish_reason is None:
+                to_abort.append(out.request_id)
+            if st.finish_reason is None:
+                st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
+            finished = st.finish_reason is not None
+            if finished:
+                m.finished_time = now
+                del self.states[out.request_id]
+            results.append(self._output(st, finished))
+        return results, to_abort
+
+    def _append_token(self, st: _State, out: CoreOutput, now: float) -> bool:
+        """Add the token; True if it completed a stop string (the request is then finished here)."""
+        m = st.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        st.token_ids.append(out.token_id)
+        if st.logprobs is not None:
+            st.cumulative_logprob += out.logprobs[0]
+            entry = {out.token_id: Logprob(out.logprobs[0], out.rank, self._piece(out.token_id))}
+            for rank, (tid, lp) in enumerate(zip(out.logprob_ids[1:], out.logprobs[1:]), start=1):
+                entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
+            st.logprobs.append(entry)
+        if st.stream is None:
+            return False
+        piece = st.stream.step(self.tokenizer.backend_tokenizer, out.token_id)
+        if not piece:
+            return False
+        stops = st.request.sampling_params.stop_strings
+        before = len(st.text)
+        st.text += piece
+        if stops and st.finish_reason is None:
+            window = max(0, before - max(len(s) for s in stops) + 1)
+            hits = [(st.text.find(s, window), s) for s in stops]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                keep = st.request.sampling_params.include_stop_str_in_output
+                st.text = st.text[:i + len(s)] if keep else st.text[:i]
+                st.finish_reason, st.stop_reason = "stop", s
+                return True
+        return False
+
+    def _piece(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(token_id)
+
+    def _output(self, st: _State, finished: bool) -> RequestOutput:
+        completion = CompletionOutput(0, st.text, list(st.token_ids), st.cumulative_logprob,
+                                      st.logprobs, st.finish_reason, st.stop_reason)
+        return RequestOutput(st.request.request_id, st.prompt, st.request.prompt_token_ids,
+                             [completion], finished, st.metrics)
+
+    def abort(self, request_id: str) -> None:
+        self.states.pop(request_id, None)

@@ -1,0 +1,198 @@
+"""The continuous-batching scheduler (vLLM V1 semantics).
+
+Each step has two budgets: at most ``max_num_seqs`` running requests and at most
+``max_num_batched_tokens`` tokens. Running requests go first, in admission order (a decode takes 1
+token, an unfinished prefill its next chunk); then waiting requests FCFS. Prefill and decode share the
+step. When a running request cannot get a block, the most recently admitted running request is
+preempted: its blocks are freed, it will be recomputed, and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.config import ConfigError, flag
+from pagedserve.engine.block_pool import BlockPool
+from pagedserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int           # first token position computed this step
+    num_tokens: int      # tokens computed this step
+    samples: bool        # the step reaches the end of the known tokens: a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """One step's view, kept for metrics, logs and benchmarks."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool):
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Change the step limits at runtime (degradation profiles). Running requests are never dropped:
+        above a lowered ``max_num_seqs`` no new request is admitted until enough finish."""
+        seqs = self.max_num_seqs if max_num_seqs is None else max_num_seqs
+        tokens = self.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+        if seqs < 1 or tokens < seqs:
+            raise ConfigError(f"{flag('max_num_batched_tokens')} ({tokens}) must be >= {flag('max_num_seqs')} ({seqs}) >= 1.")
+        if not self.enable_chunked_prefill and tokens < self.max_model_len:
+            raise ConfigError(f"{flag('max_num_batched_tokens')} ({tokens}) must be >= max_model_len "
+                              f"({self.max_model_len}) with chunked prefill off.")
+        self.max_num_seqs, self.max_num_batched_tokens = seqs, tokens
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; their blocks go back to the pool."""
+        finished = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self.pool.free(req)
+            finished.append(req)
+        return finished
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            scheduled = True
+            while not self.pool.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            self._schedule(req, n, out)
+            budget -= n
+            i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                n = req.num_tokens - req.num_computed_tokens
+                if n > budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    n = budget
+                if not self.pool.allocate_slots(req, n):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                self.running.append(req)
+                self._schedule(req, n, out)
+                budget -= n
+
+        assert out.total_tokens <= self.max_num_batched_tokens
+        return out
+
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        start = req.num_computed_tokens
+        samples = start + n == req.num_tokens
+        out.scheduled.append(ScheduledRequest(req, start, n, samples))
+        if samples and n == 1 and start >= req.num_prompt_tokens:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += n
+        # advanced at schedule time, so a chunk's successor can be scheduled in the very next step
+        req.num_computed_tokens += n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.pool.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Append the sampled tokens (one per sampling request, in schedule order); return the
+        requests that produced a token this step. Finished ones leave the running list."""
+        produced = []
+        tokens = iter(sampled)
+        now = time.monotonic()
+        any_finished = False
+        for item in out.scheduled:
+            if not item.samples:
+                continue
+            req = item.request
+            req.append_token(next(tokens))
+            if req.first_token_time is None:
+                req.first_token_time = now
+            produced.append(req)
+            if req.check_stop(self.max_model_len):
+                any_finished = True
+                del self.requests[req.request_id]
+                self.pool.free(req)
+        if any_finished:
+            self.running = [r for r in self.running if not r.status.finished]
+        return produced
+
+    def stats(self, out: SchedulerOutput) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.pool.usage,
+            num_preemptions=len(out.preempted), num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens)

@@ -1,0 +1,91 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, as in vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict
+
+
+class LLM:
+    """``LLM(model="tiny", max_num_seqs=..., max_num_batched_tokens=..., ...)`` takes the engine
+    arguments under the CLI's names (``pagedserve serve --help`` lists them)."""
+
+    def __init__(self, model: str = "tiny", **kwargs):
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}. "
+                            f"Known: {', '.join(sorted(EngineArgs.field_names()))}.")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs).create_config())
+        self._ids = itertools.count()
+
+    @property
+    def memory_budget(self):
+        return self.engine.core.runner.budget
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. A prompt is a string, a list of
+        token ids, or ``{"prompt_token_ids": [...]}``."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                  and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._per_prompt(sampling_params, len(prompts))
+        return self._run([p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts], params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        params = self._per_prompt(sampling_params, len(conversations))
+        encoded = [self.engine.inputs.apply_chat_template(c, **(chat_template_kwargs or {})) for c in conversations]
+        return self._run(encoded, params, use_tqdm)
+
+    @staticmethod
+    def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts.")
+        return list(sampling_params)
+
+    def _run(self, prompts, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        ids = []
+        for prompt, sp in zip(prompts, params):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, dataclasses.replace(sp))
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        out_tokens += len(out.outputs[0].token_ids)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            self.engine.abort_request([rid for rid in ids if rid not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]

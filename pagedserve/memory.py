@@ -1,0 +1,150 @@
+"""The memory budget: weights, activations, KV cache, headroom.
+
+One implementation serves the engine at start-up (fed with measured numbers) and the planner (fed with
+the estimates below), so the two can never disagree on the arithmetic.
+
+    budget   = device_total x gpu_memory_utilization
+    kv_bytes = budget - weights - activation_peak - non_torch      (or --kv-cache-memory, if given)
+    blocks   = kv_bytes // (block_size x kv_bytes_per_token)
+    headroom = device_total - budget                               (CUDA graphs, workspaces, spikes)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.config import ConfigError, ModelConfig
+
+GiB = 2**30
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
+    """KV heads split across ranks; replicated when there are fewer heads than ranks."""
+    return max(1, model.num_kv_heads // tp)
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: torch.dtype, tp: int = 1) -> int:
+    """K and V, every layer, one rank."""
+    return 2 * model.num_layers * kv_heads_per_rank(model, tp) * model.head_dim * dtype_bytes(kv_dtype)
+
+
+def weight_bytes(model: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
+    """Weights on one rank (tied embeddings counted once; norms are negligible and split too)."""
+    return math.ceil(model.num_params() / tp) * dtype_bytes(dtype)
+
+
+def activation_peak_estimate(model: ModelConfig, num_tokens: int, num_seqs: int, dtype: torch.dtype,
+                             tp: int = 1) -> int:
+    """Peak activation bytes of one forward pass over ``num_tokens`` tokens plus sampling ``num_seqs``
+    rows: the MLP holds x, the residual, gate|up and silu(gate)*up per token; the sampler holds the
+    logits in the model dtype and three float32 copies (logits, probabilities, noise)."""
+    b = dtype_bytes(dtype)
+    per_token = (2 * model.hidden_size + 3 * model.intermediate_size // tp) * b
+    sampler = num_seqs * model.vocab_size * (b + 3 * 4)
+    return num_tokens * per_token + sampler
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    kv_source: str                 # gpu_memory_utilization | kv_cache_memory | num_gpu_blocks_override
+    device_total: int | None       # bytes; None on CPU
+    utilization: float | None
+    weights: int
+    activation_peak: int
+    non_torch: int
+    kv_cache_bytes: int
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def requested(self) -> int | None:
+        return None if self.device_total is None else int(self.device_total * self.utilization)
+
+    @property
+    def headroom(self) -> int | None:
+        return None if self.device_total is None else self.device_total - self.requested
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def max_concurrency(self, tokens_per_request: int | None = None) -> float:
+        """How many requests of this many tokens (default max_model_len) fit in the cache at once."""
+        tokens = tokens_per_request or self.max_model_len
+        return self.num_blocks / math.ceil(tokens / self.block_size)
+
+    def report_lines(self) -> list[str]:
+        lines = []
+        if self.device_total is not None:
+            lines.append(f"Device memory: {self.device_total / GiB:.2f} GiB total; budget "
+                         f"{self.requested / GiB:.2f} GiB (gpu_memory_utilization={self.utilization}); "
+                         f"headroom {self.headroom / GiB:.2f} GiB")
+        lines += [
+            f"Model weights: {self.weights / GiB:.2f} GiB",
+            f"Activation peak: {self.activation_peak / GiB:.2f} GiB; non-torch memory: {self.non_torch / GiB:.2f} GiB",
+            f"Available KV cache memory: {self.kv_cache_bytes / GiB:.2f} GiB (from {self.kv_source}); "
+            f"{self.bytes_per_token / 1024:.1f} KiB per token, {self.num_blocks:,} blocks of {self.block_size} tokens",
+            f"KV cache size: {self.kv_tokens:,} tokens",
+            f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency():.2f}x",
+        ]
+        return lines
+
+
+def compute_budget(*, model: ModelConfig, kv_dtype: torch.dtype, block_size: int, max_model_len: int,
+                   weights: int, activation_peak: int, non_torch: int = 0, device_total: int | None = None,
+                   utilization: float | None = None, kv_cache_memory: int | None = None,
+                   num_blocks_override: int | None = None, tp: int = 1) -> MemoryBudget:
+    """Split the memory and check the two start-up failure modes; raise ``ConfigError`` naming numbers
+    and the flag to change."""
+    per_token = kv_bytes_per_token(model, kv_dtype, tp)
+    per_block = per_token * block_size
+    if num_blocks_override is not None:
+        source, kv_bytes = "num_gpu_blocks_override", num_blocks_override * per_block
+    elif kv_cache_memory is not None:
+        source, kv_bytes = "kv_cache_memory", kv_cache_memory
+    else:
+        if device_total is None or utilization is None:
+            raise ConfigError("The KV cache size needs --kv-cache-memory (bytes) or --num-gpu-blocks-override on CPU.")
+        source = "gpu_memory_utilization"
+        requested = int(device_total * utilization)
+        if weights > requested:
+            need = weights / device_total
+            raise ConfigError(
+                f"Model weights need {weights / GiB:.2f} GiB but the budget is only {requested / GiB:.2f} GiB "
+                f"(--gpu-memory-utilization {utilization} of {device_total / GiB:.2f} GiB). The weights alone "
+                f"need a utilization above {need:.2f}"
+                + (" (more than the device has)" if need >= 1 else "")
+                + ": use a smaller --dtype, shard with --tensor-parallel-size, or pick a smaller model.")
+        kv_bytes = requested - weights - activation_peak - non_torch
+        if kv_bytes < per_block:
+            raise ConfigError(
+                f"No memory left for the KV cache: weights {weights / GiB:.2f} GiB + activation peak "
+                f"{activation_peak / GiB:.2f} GiB + non-torch {non_torch / GiB:.2f} GiB leave "
+                f"{kv_bytes / GiB:.2f} GiB of the {requested / GiB:.2f} GiB budget. Lower "
+                f"--max-num-batched-tokens (the activation peak grows with it) or raise --gpu-memory-utilization.")
+    num_blocks = kv_bytes // per_block
+    budget = MemoryBudget(source, device_total, utilization, weights, activation_peak, non_torch, kv_bytes,
+                          per_token, block_size, num_blocks, max_model_len)
+    need_blocks = math.ceil(max_model_len / block_size)
+    if num_blocks < need_blocks:
+        fits = num_blocks * block_size
+        raise ConfigError(
+            f"The KV cache holds {fits:,} tokens ({num_blocks:,} blocks of {block_size}, "
+            f"{kv_bytes / GiB:.2f} GiB), but one request of max_model_len={max_model_len:,} needs "
+            f"{need_blocks:,} blocks ({need_blocks * per_block / GiB:.2f} GiB). Lower --max-model-len to at "
+            f"most {fits:,}, or give the cache more memory (--gpu-memory-utilization / --kv-cache-memory), "
+            f"or halve its size per token with --kv-cache-dtype fp8.")
+    return budget

@@ -1,0 +1,127 @@
+"""Paged attention: the per-step metadata, the backend interface, and the plain-torch reference backend.
+
+The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. A request
+owns a list of block ids (its block table); token ``p`` of the request lives in block
+``table[p // block_size]`` at offset ``p % block_size``, i.e. at flat slot ``block * block_size + offset``.
+
+A step's batch is "varlen": the scheduled tokens of all requests are concatenated. A request contributes
+``query_len`` new tokens (a prefill chunk, or 1 for decode) and attends to ``seq_len`` tokens in all:
+those already in the cache plus the new ones, which are written to the cache first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.config import flag
+from pagedserve.errors import ConfigError
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor      # [T] int64: cache slot of each new token
+    query_start_loc: torch.Tensor   # [B + 1] int32: offsets of each request's tokens in the batch
+    seq_lens: torch.Tensor          # [B] int32: tokens each request attends to after this step
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    backend_state: object = None    # whatever the backend precomputes once per step
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Precompute per-step state (index tensors, masks) into ``meta.backend_state``."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D]. Writes k/v into ``kv_cache``, returns [T, Hq, D]."""
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as bytes: torch's CPU index kernels do not take fp8, and a copy of bytes is exact."""
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def flat_slots(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[2, num_blocks, block_size, H, D] -> [2, num_blocks * block_size, H, D] (a view)."""
+    _, num_blocks, block_size, h, d = kv_cache.shape
+    return kv_cache.view(2, num_blocks * block_size, h, d)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values into their slots (casting to the cache dtype, e.g. fp8)."""
+    flat = _raw(flat_slots(kv_cache))
+    flat[0].index_copy_(0, slot_mapping, _raw(k.to(kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, _raw(v.to(kv_cache.dtype)))
+
+
+def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at ``slots`` (any shape), converted to ``dtype``: each [*slots.shape, H, D]."""
+    flat = _raw(flat_slots(kv_cache))
+    k, v = flat[0][slots], flat[1][slots]
+    if kv_cache.dtype in _FP8:
+        k, v = k.view(kv_cache.dtype), v.view(kv_cache.dtype)
+    return k.to(dtype), v.to(dtype)
+
+
+@dataclass
+class _TorchState:
+    key_slots: torch.Tensor    # [B, S] flat cache slot of every key position (S = max_seq_len)
+    query_index: torch.Tensor  # [B, Q] batch row of every padded query position (Q = max_query_len)
+    query_valid: torch.Tensor  # [B, Q] bool
+    mask: torch.Tensor         # [B, 1, Q, S] bool: causal within the request, inside its seq_len
+
+
+class TorchAttentionBackend:
+    """Reference backend: gather each request's keys through its block table, pad, run SDPA.
+
+    Correct for any mix of prefill chunks and decodes; GPU kernels are checked against it.
+    """
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        dev = meta.seq_lens.device
+        seq_lens = meta.seq_lens.long()
+        starts = meta.query_start_loc.long()
+        query_lens = starts[1:] - starts[:-1]
+        S, Q = meta.max_seq_len, meta.max_query_len
+        pos = torch.arange(S, device=dev)
+        blocks = meta.block_tables.long().gather(1, (pos // block_size).clamp(max=meta.block_tables.shape[1] - 1)
+                                                 .expand(len(seq_lens), S))
+        key_slots = blocks * block_size + pos % block_size
+        qpos_local = torch.arange(Q, device=dev)
+        query_valid = qpos_local[None, :] < query_lens[:, None]
+        query_index = (starts[:-1, None] + qpos_local[None, :]).clamp(max=max(int(starts[-1]) - 1, 0))
+        # absolute position of each query token: the last query_len positions of the sequence
+        qpos = seq_lens[:, None] - query_lens[:, None] + qpos_local[None, :]
+        mask = (pos[None, None, :] <= qpos[:, :, None]) & (pos[None, None, :] < seq_lens[:, None, None])
+        mask = mask | ~query_valid[:, :, None]  # padded rows attend to something: no NaN rows
+        meta.backend_state = _TorchState(key_slots, query_index, query_valid, mask.unsqueeze(1))
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        st: _TorchState = meta.backend_state
+        keys, values = gather_kv(kv_cache, st.key_slots, q.dtype)     # [B, S, Hkv, D]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        queries = q[st.query_index].transpose(1, 2)                    # [B, Hq, Q, D]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=st.mask, scale=scale,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        return out.transpose(1, 2)[st.query_valid]                     # [T, Hq, D]
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend()
+    raise ConfigError(f"{flag('attention_backend')}: {name!r} is not one of auto, torch.")

@@ -1,0 +1,101 @@
+"""Build the model on its device and fill its weights: from *.safetensors, or random (``dummy``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagedserve.config import ConfigError, EngineConfig, flag
+from pagedserve.model.attention import AttentionBackend
+from pagedserve.model.decoder import PACKED_WEIGHTS, DecoderForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(config: EngineConfig, backend: AttentionBackend) -> DecoderForCausalLM:
+    with torch.device(config.device):
+        model = DecoderForCausalLM(config.model, backend, max_positions=config.max_model_len)
+    model.to(dtype=config.dtype)
+    # the rotary tables stay float32 whatever the model dtype
+    for name, buf in model.named_buffers():
+        if name.endswith(("cos", "sin")):
+            buf.data = buf.data.float()
+    if config.args.load_format == "dummy":
+        _init_dummy(model, config.args.seed)
+    else:
+        if config.source.path is None:
+            raise ConfigError(f"{flag('load_format')}: {config.source.name} has no weights here; use --load-format dummy.")
+        load_safetensors(model, config.source.path)
+    return model.eval()
+
+
+@torch.no_grad()
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"{flag('model')}: no *.safetensors in {str(path)!r}. Convert the checkpoint to safetensors, "
+            f"or pass --load-format dummy for random weights.")
+    return files
+
+
+@torch.no_grad()
+def load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    tied = model.config.tie_word_embeddings
+    for file in _checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                if "rotary_emb" in hf_name or (tied and hf_name == "lm_head.weight"):
+                    continue
+                tensor = f.get_tensor(hf_name)
+                name, shard = _map_name(hf_name)
+                if name not in params:
+                    raise ConfigError(f"checkpoint tensor {hf_name!r} in {file.name} has no place in this "
+                                      f"{model.config.model_type} model: is config.json the right one?")
+                target = params[name]
+                if shard is not None:
+                    packed = name.split(".")[-2]
+                    sizes = model.shard_sizes(packed)
+                    start = sum(sizes[:shard])
+                    target = target.narrow(0, start, sizes[shard])
+                if target.shape != tensor.shape:
+                    raise ConfigError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                      f"expected {tuple(target.shape)}: config.json does not match the weights.")
+                target.copy_(tensor)
+                loaded.add(name if shard is None else f"{name}#{shard}")
+    expected = set()
+    for name in params:
+        packed = name.split(".")[-2] if name.endswith((".weight", ".bias")) else ""
+        if packed in ("qkv_proj", "gate_up_proj"):
+            expected.update(f"{name}#{i}" for i in range(len(model.shard_sizes(packed))))
+        else:
+            expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ConfigError(f"checkpoint in {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[:3]}.")
+
+
+def _map_name(hf_name: str) -> tuple[str, int | None]:
+    for part, (packed, shard) in PACKED_WEIGHTS.items():
+        if f".{part}." in hf_name:
+            return hf_name.replace(f".{part}.", f".{packed}."), shard
+    return hf_name, None

@@ -1,0 +1,198 @@
+"""The model runner: owns the weights and the KV tensors, sizes the cache, turns a scheduler step into
+tensors, runs the forward pass and samples."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import resource
+import time
+
+import numpy as np
+import torch
+
+from pagedserve.config import ConfigError, EngineConfig
+from pagedserve.engine.block_pool import BlockPool
+from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.memory import GiB, MemoryBudget, activation_peak_estimate, compute_budget
+from pagedserve.model.attention import AttentionMetadata, get_attention_backend
+from pagedserve.model.loader import build_model
+from pagedserve.model.sampler import SamplerOutput, SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.device
+        self.block_size = config.block_size
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.set_device(self.device)
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            requested = total * config.args.gpu_memory_utilization
+            if config.kv_cache_memory is None and free < requested:
+                raise ConfigError(
+                    f"Free memory on the device ({free / GiB:.2f}/{total / GiB:.2f} GiB) at start-up is less than "
+                    f"the budget --gpu-memory-utilization {config.args.gpu_memory_utilization} asks for "
+                    f"({requested / GiB:.2f} GiB). Lower --gpu-memory-utilization or free memory used by "
+                    f"other processes.")
+            self._device_total = total
+            self._non_torch_baseline = (total - free) - torch.cuda.memory_reserved(self.device)
+
+        self.backend = get_attention_backend(config.args.attention_backend, self.device)
+        t0 = time.perf_counter()
+        self.model = build_model(config, self.backend)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("Model loading took %.2f GiB memory and %.2f seconds",
+                    self.weight_bytes / GiB, time.perf_counter() - t0)
+
+        self.budget = self._plan_memory()
+        m = config.model
+        shape = (2, self.budget.num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=config.kv_dtype, device=self.device) for _ in range(m.num_layers)]
+        self._generators: dict[str, torch.Generator] = {}
+        torch.manual_seed(config.args.seed)
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ------------------------------------------------------------------ memory
+
+    def _plan_memory(self) -> MemoryBudget:
+        c = self.config
+        common = dict(model=c.model, kv_dtype=c.kv_dtype, block_size=self.block_size,
+                      max_model_len=c.max_model_len, weights=self.weight_bytes,
+                      kv_cache_memory=c.kv_cache_memory, num_blocks_override=c.args.num_gpu_blocks_override)
+        if self.device.type != "cuda":
+            peak = activation_peak_estimate(c.model, c.max_num_batched_tokens, c.max_num_seqs, c.dtype)
+            return compute_budget(**common, activation_peak=peak)
+        peak, non_torch = self._profile_run()
+        return compute_budget(**common, activation_peak=peak, non_torch=non_torch,
+                              device_total=self._device_total, utilization=c.args.gpu_memory_utilization)
+
+    @torch.inference_mode()
+    def _profile_run(self) -> tuple[int, int]:
+        """One forward pass over a full token budget plus sampling, to measure the activation peak."""
+        c = self.config
+        tokens, seqs = c.max_num_batched_tokens, min(c.max_num_seqs, c.max_num_batched_tokens)
+        lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+        blocks = [math.ceil(n / self.block_size) for n in lens]
+        m = c.model
+        scratch = [torch.zeros((2, sum(blocks), self.block_size, m.num_kv_heads, m.head_dim),
+                               dtype=c.kv_dtype, device=self.device) for _ in range(m.num_layers)]
+        tables, first = [], 0
+        for b in blocks:
+            tables.append(list(range(first, first + b)))
+            first += b
+        ids = torch.randint(0, m.vocab_size, (tokens,), device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        slots = torch.cat([torch.tensor(t).repeat_interleave(self.block_size)[:n] * self.block_size
+                           + torch.arange(n) % self.block_size for t, n in zip(tables, lens)]).to(self.device)
+        meta = self._metadata(slots, lens, lens, tables)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        hidden = self.model(ids, positions, scratch, meta)
+        last = torch.tensor(np.cumsum(lens) - 1, device=self.device)
+        logits = self.model.compute_logits(hidden[last])
+        ones = torch.ones(seqs, device=self.device)
+        batch = SamplingBatch(ones, torch.zeros(seqs, dtype=torch.bool, device=self.device),
+                              torch.full((seqs,), 50, device=self.device), ones * 0.9, ones * 0.05,
+                              [None] * seqs, False, 5)
+        sample(logits, batch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device) - self._non_torch_baseline)
+        del hidden, logits, scratch, meta
+        gc.collect()
+        torch.cuda.empty_cache()
+        return peak, non_torch
+
+    def device_memory(self) -> tuple[int, int]:
+        """(bytes in use now, peak bytes) of this engine's device memory (process RSS on CPU)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_reserved(self.device), torch.cuda.max_memory_reserved(self.device)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+        return rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # ------------------------------------------------------------------ a step
+
+    def _metadata(self, slots: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                  tables: list[list[int]]) -> AttentionMetadata:
+        width = max(len(t) for t in tables)
+        table_arr = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_arr[i, :len(t)] = t
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=starts[1:])
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.from_numpy(starts).to(self.device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
+            block_tables=torch.from_numpy(table_arr).to(self.device, non_blocking=True),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+        self.backend.prepare(meta, self.block_size)
+        return meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, pool: BlockPool) -> SamplerOutput | None:
+        """Run one scheduled step; return one sampled token per request whose ``samples`` is set."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions, slots, query_lens, seq_lens, tables, sample_rows = [], [], [], [], [], []
+        for item in out.scheduled:
+            req, start, n = item.request, item.start, item.num_tokens
+            table = pool.block_table(req.request_id)
+            ids.extend(req.all_token_ids[start:start + n])
+            pos = np.arange(start, start + n)
+            positions.append(pos)
+            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if item.samples:
+                sample_rows.append(len(ids) - 1)
+        to_dev = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        input_ids = to_dev(np.asarray(ids, dtype=np.int64))
+        meta = self._metadata(to_dev(np.concatenate(slots)), query_lens, seq_lens, tables)
+        hidden = self.model(input_ids, to_dev(np.concatenate(positions)), self.kv_caches, meta)
+        if not sample_rows:
+            return None
+        logits = self.model.compute_logits(hidden[to_dev(np.asarray(sample_rows, dtype=np.int64))])
+        return sample(logits, self._sampling_batch(out))
+
+    def _sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
+        params = [item.request for item in out.scheduled if item.samples]
+        sp = [r.sampling_params for r in params]
+        vocab = self.config.model.vocab_size
+        greedy = [p.greedy for p in sp]
+        dev = self.device
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in sp]
+        gens: list[torch.Generator | None] = []
+        for req, p in zip(params, sp):
+            if p.seed is not None and not p.greedy:
+                gen = self._generators.get(req.request_id)
+                if gen is None:
+                    gen = self._generators[req.request_id] = torch.Generator(dev).manual_seed(p.seed)
+                gens.append(gen)
+            else:
+                gens.append(None)
+        return SamplingBatch(
+            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, sp)], device=dev),
+            greedy=torch.tensor(greedy, device=dev),
+            top_k=torch.tensor(top_k, device=dev) if any(k < vocab for k in top_k) else None,
+            top_p=torch.tensor([p.top_p for p in sp], device=dev) if any(p.top_p < 1.0 for p in sp) else None,
+            min_p=torch.tensor([p.min_p for p in sp], device=dev) if any(p.min_p > 0.0 for p in sp) else None,
+            generators=gens, all_greedy=all(greedy),
+            num_logprobs=max((p.logprobs for p in sp if p.logprobs is not None), default=-1))
+
+    def release(self, request_ids) -> None:
+        """Forget per-request state (sampling generators) of finished requests."""
+        for rid in request_ids:
+            self._generators.pop(rid, None)

@@ -1,0 +1,40 @@
+"""Shared fixtures: small random Hugging Face checkpoints of each supported architecture."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "pagedserve"))
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, rms_norm_eps=1e-6,
+               bos_token_id=0, eos_token_id=2, torch_dtype="float32")
+
+ARCH_CONFIGS = {
+    "llama": dict(_COMMON, model_type="llama", rope_theta=10000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": dict(_COMMON, model_type="mistral", rope_theta=1e6, sliding_window=None),
+    "qwen2": dict(_COMMON, model_type="qwen2", rope_theta=1e6, use_sliding_window=False),
+    "qwen3": dict(_COMMON, model_type="qwen3", head_dim=32, rope_theta=1e6, tie_word_embeddings=True,
+                  attention_bias=False),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One checkpoint folder per architecture (written by transformers' save_pretrained)."""
+    from pagedserve.model.tiny import write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: write_random_checkpoint(root / name, cfg, seed=i) for i, (name, cfg) in enumerate(ARCH_CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    from pagedserve.model.tiny import ensure_tiny_model
+
+    return ensure_tiny_model()
