@@ -21,6 +21,11 @@ from pagedserve.config import ConfigError, ModelConfig
 GiB = 2**30
 
 
+def fmt_bytes(n: int | float) -> str:
+    """GiB with two decimals, or MiB below one GiB (the tiny model's numbers stay readable)."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.2f} MiB"
+
+
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -89,13 +94,12 @@ class MemoryBudget:
     def report_lines(self) -> list[str]:
         lines = []
         if self.device_total is not None:
-            lines.append(f"Device memory: {self.device_total / GiB:.2f} GiB total; budget "
-                         f"{self.requested / GiB:.2f} GiB (gpu_memory_utilization={self.utilization}); "
-                         f"headroom {self.headroom / GiB:.2f} GiB")
+            lines.append(f"Device memory: {fmt_bytes(self.device_total)} total; budget {fmt_bytes(self.requested)} "
+                         f"(gpu_memory_utilization={self.utilization}); headroom {fmt_bytes(self.headroom)}")
         lines += [
-            f"Model weights: {self.weights / GiB:.2f} GiB",
-            f"Activation peak: {self.activation_peak / GiB:.2f} GiB; non-torch memory: {self.non_torch / GiB:.2f} GiB",
-            f"Available KV cache memory: {self.kv_cache_bytes / GiB:.2f} GiB (from {self.kv_source}); "
+            f"Model weights: {fmt_bytes(self.weights)}",
+            f"Activation peak: {fmt_bytes(self.activation_peak)}; non-torch memory: {fmt_bytes(self.non_torch)}",
+            f"Available KV cache memory: {fmt_bytes(self.kv_cache_bytes)} (from {self.kv_source}); "
             f"{self.bytes_per_token / 1024:.1f} KiB per token, {self.num_blocks:,} blocks of {self.block_size} tokens",
             f"KV cache size: {self.kv_tokens:,} tokens",
             f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency():.2f}x",

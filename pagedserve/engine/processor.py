@@ -3,6 +3,7 @@ strings). Shared by the offline ``LLM`` and the server, which runs them on its e
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, Reques
 from pagedserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(config: EngineConfig):
@@ -22,14 +25,20 @@ def load_tokenizer(config: EngineConfig):
     args = config.args
     if args.skip_tokenizer_init:
         return None
-    path = args.tokenizer or (str(config.source.path) if config.source.path else None)
-    if path is None or not Path(path).exists():
-        if args.tokenizer:
-            raise ConfigError(f"--tokenizer: {args.tokenizer!r} is not a local folder.")
-        return None  # a built-in name with dummy weights: token ids only
+    path = Path(args.tokenizer) if args.tokenizer else config.source.path
+    if args.tokenizer and not path.is_dir():
+        raise ConfigError(f"--tokenizer: {args.tokenizer!r} is not a local folder.")
+    if path is None or not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        logger.warning("No tokenizer files for %s: running on token ids only (text prompts will be refused).",
+                       config.source.name)
+        return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ConfigError(f"The tokenizer in {str(path)!r} could not be loaded ({e}). Pass a working "
+                          f"--tokenizer folder, or --skip-tokenizer-init to run on token ids.") from e
 
 
 class InputProcessor:
@@ -143,6 +152,7 @@ class OutputProcessor:
                 st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
             finished = st.finish_reason is not None
             if finished:
+                self._flush(st)
                 m.finished_time = now
                 del self.states[out.request_id]
             results.append(self._output(st, finished))
@@ -180,6 +190,14 @@ class OutputProcessor:
                 st.finish_reason, st.stop_reason = "stop", s
                 return True
         return False
+
+    def _flush(self, st: _State) -> None:
+        """At the end, emit what the stream held back (bytes of an unfinished UTF-8 character)."""
+        if st.stream is None or isinstance(st.stop_reason, str):
+            return
+        full = self.tokenizer.decode(st.token_ids, skip_special_tokens=st.request.sampling_params.skip_special_tokens)
+        if len(full) > len(st.text) and full.startswith(st.text):
+            st.text = full
 
     def _piece(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(token_id)

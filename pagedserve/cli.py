@@ -1,0 +1,111 @@
+"""The ``pagedserve`` command: ``generate`` (offline run), ``serve``, ``bench``, ``plan``, ``diagnose``.
+
+Engine flags are generated from ``EngineArgs``' fields, so the CLI, the offline API and the config
+validation share one list of names, defaults and help texts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+import typing
+
+from pagedserve.config import EngineArgs
+from pagedserve.errors import ConfigError, InvalidRequestError
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        help_text = f.metadata["help"]
+        if f.name == "model":
+            if positional_model:
+                parser.add_argument("model", nargs="?", default=f.default, help=help_text)
+            else:
+                group.add_argument("--model", default=f.default, help=help_text)
+            continue
+        name = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            group.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif f.metadata.get("size"):
+            group.add_argument(name, default=f.default, help=help_text)  # parsed (8k, 4GiB) by EngineArgs
+        else:
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            group.add_argument(name, type=base, default=f.default, help=help_text)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                        datefmt="%m-%d %H:%M:%S", stream=sys.stderr)
+
+
+DEFAULT_PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "Continuous batching keeps the accelerator busy because",
+    "The future of AI is",
+]
+
+
+def cmd_generate(ns: argparse.Namespace) -> None:
+    """Offline generation: print the memory budget, then each completion, then throughput."""
+    from pagedserve import LLM, SamplingParams
+
+    args = engine_args_from(ns)
+    llm = LLM(**dataclasses.asdict(args))
+    print("Memory budget:")
+    for line in llm.memory_budget.report_lines():
+        print("  " + line)
+    prompts = ns.prompt or DEFAULT_PROMPTS
+    params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.sampling_seed,
+                            ignore_eos=ns.ignore_eos)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        c = out.outputs[0]
+        print(f"\nPrompt: {out.prompt!r}\nOutput: {c.text!r}\n  ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"\nGenerated {total} tokens for {len(outputs)} prompts in {elapsed:.2f} s ({total / elapsed:.1f} output tokens/s).")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="Generate completions offline (default: the built-in tiny model).")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="A prompt (repeatable). Default: four sample prompts.")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    setup_logging(getattr(ns, "log_level", "INFO"))
+    try:
+        ns.func(ns)
+    except (ConfigError, InvalidRequestError) as e:
+        print(f"pagedserve {ns.command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Every bad configuration fails with a message that names the numbers and the flag to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.config import EngineArgs
+from pagedserve.errors import ConfigError
+from pagedserve.memory import GiB, compute_budget
+from pagedserve.config import ModelConfig
+from pagedserve.model.known_models import KNOWN_MODELS
+
+import torch
+
+
+def config_error(**kwargs) -> str:
+    with pytest.raises(ConfigError) as e:
+        EngineArgs(**kwargs).create_config()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, fragments", [
+    (dict(max_num_seqs=0), ["--max-num-seqs"]),
+    (dict(max_num_batched_tokens=8, max_num_seqs=16), ["--max-num-batched-tokens", "8", "16"]),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024),
+     ["--max-num-batched-tokens", "512", "1024", "--enable-chunked-prefill"]),
+    (dict(block_size=12), ["--block-size", "12"]),
+    (dict(gpu_memory_utilization=1.5), ["--gpu-memory-utilization"]),
+    (dict(max_model_len=100_000), ["--max-model-len", "100000", "2048"]),
+    (dict(max_model_len="lots"), ["--max-model-len", "lots"]),
+    (dict(dtype="int4"), ["--dtype", "int4"]),
+    (dict(kv_cache_dtype="int8"), ["--kv-cache-dtype"]),
+    (dict(load_format="pickle"), ["--load-format"]),
+    (dict(model="no/such-model"), ["--model", "no/such-model"]),
+    (dict(model="Qwen/Qwen3-8B"), ["--load-format dummy"]),
+    (dict(tensor_parallel_size=2), ["--tensor-parallel-size"]),
+    (dict(device="tpu"), ["--device"]),
+    (dict(attention_backend="magic", load_format="dummy"), None),
+])
+def test_bad_engine_args(kwargs, fragments):
+    if fragments is None:  # rejected when the runner is built
+        with pytest.raises(ConfigError, match="--attention-backend"):
+            LLM(**kwargs, kv_cache_memory="1MiB")
+        return
+    msg = config_error(**kwargs)
+    for f in fragments:
+        assert f in msg, msg
+
+
+def test_unknown_llm_kwarg_is_named():
+    with pytest.raises(TypeError, match="max_num_seq\\b"):
+        LLM("tiny", max_num_seq=4)
+
+
+def test_kv_cache_too_small_for_max_model_len_suggests_a_length():
+    with pytest.raises(ConfigError) as e:
+        LLM("tiny", num_gpu_blocks_override=10, max_model_len=1024)
+    msg = str(e.value)
+    assert "160 tokens" in msg and "max_model_len=1,024" in msg and "--max-model-len to at most 160" in msg
+
+
+QWEN3_8B = ModelConfig.from_hf_dict(KNOWN_MODELS["Qwen/Qwen3-8B"])
+
+
+def test_weights_do_not_fit():
+    with pytest.raises(ConfigError) as e:
+        compute_budget(model=QWEN3_8B, kv_dtype=torch.bfloat16, block_size=16, max_model_len=8192,
+                       weights=16 * GiB, activation_peak=GiB, device_total=24 * GiB, utilization=0.5)
+    msg = str(e.value)
+    assert "16.00 GiB" in msg and "12.00 GiB" in msg and "--gpu-memory-utilization" in msg and "0.67" in msg
+
+
+def test_no_room_left_for_kv_cache():
+    with pytest.raises(ConfigError) as e:
+        compute_budget(model=QWEN3_8B, kv_dtype=torch.bfloat16, block_size=16, max_model_len=8192,
+                       weights=16 * GiB, activation_peak=4 * GiB, device_total=24 * GiB, utilization=0.8)
+    assert "--max-num-batched-tokens" in str(e.value) and "No memory left for the KV cache" in str(e.value)
+
+
+def test_budget_arithmetic():
+    b = compute_budget(model=QWEN3_8B, kv_dtype=torch.bfloat16, block_size=16, max_model_len=8192,
+                       weights=16 * GiB, activation_peak=2 * GiB, non_torch=GiB, device_total=100 * GiB,
+                       utilization=0.9)
+    per_token = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads, head_dim 128, bf16
+    assert b.bytes_per_token == per_token == 147456
+    assert b.kv_cache_bytes == int(100 * GiB * 0.9) - 19 * GiB
+    assert b.num_blocks == b.kv_cache_bytes // (16 * per_token)
+    assert b.max_concurrency() == pytest.approx(b.num_blocks / 512)
+    assert any("KV cache size:" in line for line in b.report_lines())

@@ -1,0 +1,132 @@
+"""Scheduler and block pool under random workloads: limits per step, no leaked or doubly freed block."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.engine.block_pool import BlockPool
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.sampling_params import SamplingParams
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   eos_token_ids=(), max_tokens=max_tokens)
+
+
+def check_pool(pool: BlockPool, sched: Scheduler) -> None:
+    held = [b for rid in sched.requests for b in pool.block_table(rid)]
+    free = list(pool._free)
+    assert len(held) == len(set(held)), "a block is in two tables"
+    assert not set(held) & set(free), "a block is both held and free"
+    assert sorted(held + free) == list(range(pool.num_blocks)), "a block leaked"
+    for rid, req in sched.requests.items():
+        if req.status == RequestStatus.RUNNING:
+            assert len(pool.block_table(rid)) * pool.block_size >= req.num_computed_tokens
+
+
+workload = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(0, 3)), min_size=1, max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(workload=workload, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]),
+       max_num_seqs=st.integers(1, 8), budget=st.integers(8, 64), chunked=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_random_workload_invariants(workload, num_blocks, block_size, max_num_seqs, budget, chunked, seed):
+    rng = random.Random(seed)
+    max_model_len = 90
+    # every request must fit alone in the cache, as the engine's start-up check guarantees
+    if num_blocks * block_size < max_model_len:
+        num_blocks = -(-max_model_len // block_size)
+    if not chunked:
+        budget = max(budget, max_model_len)
+    budget = max(budget, max_num_seqs)
+    pool = BlockPool(num_blocks, block_size)
+    sched = Scheduler(pool, max_num_seqs, budget, max_model_len, chunked)
+    pending = [make_request(str(i), p, o) for i, (p, o, _) in enumerate(workload)]
+    arrivals = [a for _, _, a in workload]
+    aborted: set[str] = set()
+    produced_tokens: dict[str, int] = {}
+    for step in range(5000):
+        while pending and arrivals[0] <= step % 4:
+            sched.add_request(pending.pop(0))
+            arrivals.pop(0)
+        if not pending and not sched.has_unfinished:
+            break
+        if sched.requests and rng.random() < 0.03:
+            victim = rng.choice(list(sched.requests))
+            sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            aborted.add(victim)
+        out = sched.schedule()
+        assert out.total_tokens <= budget
+        assert len(out.scheduled) <= max_num_seqs
+        assert len(sched.running) <= max_num_seqs
+        assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
+        for s in out.scheduled:
+            assert s.num_tokens >= 1
+            if not chunked and s.start < s.request.num_prompt_tokens:
+                assert s.start == 0 and s.num_tokens == s.request.num_tokens  # whole prompt at once
+        sampled = [rng.randrange(100) for s in out.scheduled if s.samples]
+        for req in sched.update_from_output(out, sampled):
+            produced_tokens[req.request_id] = req.num_output_tokens
+        check_pool(pool, sched)
+    assert not sched.has_unfinished
+    assert pool.num_free_blocks == num_blocks
+    for i, (p, o, _) in enumerate(workload):
+        if str(i) not in aborted:
+            assert produced_tokens[str(i)] == min(o, max_model_len - p)
+
+
+def test_decode_first_then_fcfs_and_mixed_step():
+    pool = BlockPool(100, 4)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64, enable_chunked_prefill=True)
+    a, b = make_request("a", 6, 5), make_request("b", 30, 5)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 6), ("b", 4)]
+    sched.update_from_output(out, [7])  # a samples, b was a chunk
+    out = sched.schedule()
+    # a decodes (1 token) and b's prefill continues in the same step with the rest of the budget
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
+    assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 9
+
+
+def test_token_budget_wins_over_sequence_cap():
+    pool = BlockPool(100, 4)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=12, max_model_len=64, enable_chunked_prefill=False)
+    for i in range(5):
+        sched.add_request(make_request(str(i), 5, 3))
+    out = sched.schedule()
+    assert len(out.scheduled) == 2  # 5 + 5 tokens; a third whole prompt does not fit in 12
+
+
+def test_preempts_most_recent_and_requeues_at_front():
+    pool = BlockPool(4, 4)  # 16 token slots
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16, enable_chunked_prefill=True)
+    a, b = make_request("a", 8, 8), make_request("b", 8, 8)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.update_from_output(sched.schedule(), [1, 1])  # both hold 2 blocks, 8 tokens each
+    out = sched.schedule()  # a needs a third block: b (admitted last) is preempted
+    assert out.preempted == ["b"]
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+    assert sched.waiting[0] is b and b.num_computed_tokens == 0 and b.status == RequestStatus.PREEMPTED
+
+
+def test_waiting_request_without_blocks_stops_admission():
+    pool = BlockPool(3, 4)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=12, enable_chunked_prefill=True)
+    big, small = make_request("big", 12, 1), make_request("small", 2, 1)
+    sched.add_request(make_request("first", 8, 4))
+    sched.update_from_output(sched.schedule(), [0])
+    sched.add_request(big)
+    sched.add_request(small)
+    out = sched.schedule()
+    # "big" cannot get 3 blocks, and FCFS keeps "small" behind it
+    assert [s.request.request_id for s in out.scheduled] == ["first"]
+    assert list(sched.waiting) == [big, small]
