@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
 
+    from pagedserve.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

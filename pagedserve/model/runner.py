@@ -119,7 +119,7 @@ class ModelRunner:
             return torch.cuda.memory_reserved(self.device), torch.cuda.max_memory_reserved(self.device)
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * resource.getpagesize()
-        return rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     # ------------------------------------------------------------------ a step
 

@@ -1,0 +1,186 @@
+"""The server's engine: the core steps in its own thread; the frontend lives on the asyncio loop.
+
+Why a thread and not a process: the core's hot path is torch work that releases the GIL, so the event
+loop keeps serving HTTP, tokenizing and detokenizing while a step runs, and a step never waits for the
+loop. A thread shares the model runner's memory with no serialization of requests or outputs. The cost
+is GIL contention in the Python parts of a step (scheduling, building index arrays), which are small
+next to the forward pass on a GPU.
+
+The frontend talks to the core thread only through ``self._inbox`` (add, abort, set-limits, stop);
+the core thread hands outputs back with ``loop.call_soon_threadsafe``. Only the core thread touches the
+scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import CoreOutput, EngineCore
+from pagedserve.engine.processor import InputProcessor, OutputProcessor, load_tokenizer
+from pagedserve.engine.request import Request
+from pagedserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The core thread died; requests in flight are failed with this."""
+
+
+@dataclass
+class _Add:
+    request: Request
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _SetLimits:
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    done: "asyncio.Future"
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.core = EngineCore(config)
+        self.inputs = InputProcessor(config, self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self.observer = None  # optional: .observe(results) after each step, .aborted(request_id)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.dead: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._core_loop, name="engine-core", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # ------------------------------------------------------------------ the core thread
+
+    def _core_loop(self) -> None:
+        core = self.core
+        try:
+            while True:
+                commands = [self._inbox.get()] if not core.has_unfinished else []
+                while True:
+                    try:
+                        commands.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                outputs: list[CoreOutput] = []
+                for cmd in commands:
+                    if cmd is _STOP:
+                        return
+                    if isinstance(cmd, _Add):
+                        core.add_request(cmd.request)
+                    elif isinstance(cmd, _Abort):
+                        outputs.extend(core.abort(cmd.request_ids))
+                    elif isinstance(cmd, _SetLimits):
+                        try:
+                            core.scheduler.set_limits(cmd.max_num_seqs, cmd.max_num_batched_tokens)
+                            result = None
+                        except Exception as e:  # noqa: BLE001 - handed back to the caller
+                            result = e
+                        self._loop.call_soon_threadsafe(_resolve, cmd.done, result)
+                if core.has_unfinished:
+                    outputs.extend(core.step())
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._on_core_outputs, outputs)
+        except BaseException as e:  # noqa: BLE001 - the engine is dead; tell every waiting request
+            logger.exception("engine core died")
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    # ------------------------------------------------------------------ the loop side
+
+    def _on_core_outputs(self, outputs: list[CoreOutput]) -> None:
+        results, to_abort = self.outputs.process(outputs)
+        if to_abort:
+            self._inbox.put(_Abort(to_abort))
+        for res in results:
+            q = self._queues.get(res.request_id)
+            if q is not None:
+                q.put_nowait(res)
+        if self.observer is not None:
+            self.observer.observe(results)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead = error
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(f"The engine stopped: {error!r}"))
+
+    async def generate(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after each step until it finishes. The request comes
+        from ``self.inputs.make_request`` (so bad input fails before a response starts). Closing the
+        iterator early (a client that went away) aborts the request and frees its KV blocks."""
+        if self.dead is not None:
+            raise EngineDeadError(f"The engine stopped: {self.dead!r}")
+        q: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        self._queues[rid] = q
+        self.outputs.add(request, text)
+        self._inbox.put(_Add(request))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            del self._queues[rid]
+            if not finished:
+                self.outputs.abort(rid)
+                self._inbox.put(_Abort([rid]))
+                if self.observer is not None:
+                    self.observer.aborted(rid)
+
+    async def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Change the scheduler's step limits at runtime (applied between two steps)."""
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(_SetLimits(max_num_seqs, max_num_batched_tokens, done))
+        error = await done
+        if error is not None:
+            raise error
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight (graceful shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queues and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._queues
+
+
+def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+    if not fut.done():
+        fut.set_result(error)

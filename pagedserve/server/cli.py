@@ -1,0 +1,77 @@
+"""``pagedserve serve MODEL [flags]``: vLLM's flag names, uvicorn underneath."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import threading
+
+import uvicorn
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, except that a drained SIGTERM/SIGINT exits with status 0 (uvicorn re-raises the signal
+    after its graceful shutdown, which makes the process die of it)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def add_serve_parser(sub) -> None:
+    from pagedserve.cli import add_engine_args
+
+    p = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="Name(s) clients use in the 'model' field (default: the model argument).")
+    s.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 paths.")
+    s.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="Most requests in flight (waiting + running); more get HTTP 503 with Retry-After.")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="On SIGTERM, seconds to let in-flight requests finish before exiting.")
+    s.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=cmd_serve)
+
+
+def build_server(ns: argparse.Namespace):
+    """The engine, the app and a configured uvicorn server (not yet running)."""
+    from pagedserve.cli import engine_args_from
+    from pagedserve.errors import ConfigError
+    from pagedserve.server.api import ServerSettings, build_app
+    from pagedserve.server.async_engine import AsyncEngine
+
+    if ns.max_num_queued_reqs is not None and ns.max_num_queued_reqs < 1:
+        raise ConfigError("--max-num-queued-reqs must be at least 1.")
+    if not 0 < ns.port < 65536:
+        raise ConfigError(f"--port {ns.port} is not a TCP port.")
+    config = engine_args_from(ns).create_config()
+    engine = AsyncEngine(config)
+    settings = ServerSettings(served_model_names=ns.served_model_name or [ns.model], api_key=ns.api_key,
+                              max_num_queued_reqs=ns.max_num_queued_reqs, shutdown_timeout=ns.shutdown_timeout)
+    app = build_app(engine, settings)
+    uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
+                               timeout_graceful_shutdown=int(ns.shutdown_timeout), access_log=False)
+    return _Server(uv_config)
+
+
+def cmd_serve(ns: argparse.Namespace) -> None:
+    server = build_server(ns)
+    logger.info("serving %s on http://%s:%d (SIGTERM or Ctrl-C drains in-flight requests, then exits)",
+                ns.model, ns.host, ns.port)
+    server.run()

@@ -1,0 +1,109 @@
+"""Prometheus metrics under vLLM's names (so existing dashboards and `pagedserve diagnose` read them).
+
+Gauges and counters are read from the engine at scrape time (a collector), histograms are observed by
+the frontend as outputs arrive. Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedserve.outputs import RequestOutput
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class _EngineCollector:
+    """Reads the engine's state when /metrics is scraped."""
+
+    def __init__(self, engine, model_name: str, server_state):
+        self.engine = engine
+        self.labels = {"model_name": model_name, "engine": "0"}
+        self.server_state = server_state
+
+    def _family(self, cls, name, doc, value):
+        fam = cls(name, doc, labels=list(self.labels))
+        fam.add_metric(list(self.labels.values()), value)
+        return fam
+
+    def collect(self):
+        core = self.engine.core
+        stats, counters = core.last_stats, core.counters
+        in_use, peak = core.runner.device_memory()
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(g, "vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield self._family(g, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield self._family(g, "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", stats.kv_cache_usage)
+        yield self._family(c, "vllm:num_preemptions", "Cumulative preemptions.", counters.num_preemptions)
+        yield self._family(c, "vllm:prompt_tokens", "Prefill tokens processed.", counters.prompt_tokens)
+        yield self._family(c, "vllm:generation_tokens", "Tokens generated.", counters.generation_tokens)
+        yield self._family(g, "pagedserve:device_memory_used_bytes",
+                           "Device memory this engine holds now (process RSS on CPU).", in_use)
+        yield self._family(g, "pagedserve:device_memory_peak_bytes",
+                           "Peak device memory this engine has held (process peak RSS on CPU).", peak)
+        yield self._family(g, "pagedserve:num_requests_in_flight",
+                           "Requests accepted by the API and not finished.", self.engine.num_in_flight)
+        yield self._family(c, "pagedserve:rejected_requests", "Requests refused with 503 (queue full).",
+                           self.server_state.rejected)
+        success = CounterMetricFamily("vllm:request_success", "Finished requests by reason.",
+                                      labels=[*self.labels, "finished_reason"])
+        for reason, n in self.server_state.finished.items():
+            success.add_metric([*self.labels.values(), reason], n)
+        yield success
+        budget = core.runner.budget
+        info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "gpu_memory_utilization"])
+        info.add_metric([str(budget.block_size), str(budget.num_blocks), str(core.config.kv_dtype).replace("torch.", ""),
+                         str(core.config.args.gpu_memory_utilization)], 1)
+        yield info
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.finished: dict[str, int] = {}
+        self.rejected = 0
+        self.registry.register(_EngineCollector(engine, model_name, self))
+        labels = ["model_name"]
+        self._labels = (model_name,)
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(*self._labels)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
+        self._last_token: dict[str, tuple[int, float]] = {}
+
+    def observe(self, results: list[RequestOutput]) -> None:
+        """Called on the loop with each step's outputs."""
+        for res in results:
+            m = res.metrics
+            n = len(res.outputs[0].token_ids)
+            prev = self._last_token.get(res.request_id)
+            if n and prev is None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            elif prev is not None and n > prev[0]:
+                self.itl.observe(m.last_token_time - prev[1])
+            if n:
+                self._last_token[res.request_id] = (n, m.last_token_time)
+            if res.finished:
+                self._last_token.pop(res.request_id, None)
+                reason = res.outputs[0].finish_reason or "abort"
+                self.finished[reason] = self.finished.get(reason, 0) + 1
+                if m.finished_time is not None:
+                    self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def aborted(self, request_id: str) -> None:
+        """A request whose client went away before it finished."""
+        self._last_token.pop(request_id, None)
+        self.finished["abort"] = self.finished.get("abort", 0) + 1

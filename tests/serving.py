@@ -1,0 +1,65 @@
+"""Start a real pagedserve server (uvicorn on a free loopback port) for tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(*flags: str, model: str = "tiny"):
+    """Yield (base_url, app) for a server built exactly as `pagedserve serve` builds it."""
+    from pagedserve.cli import build_parser
+    from pagedserve.server.cli import build_server
+
+    port = free_port()
+    ns = build_parser().parse_args(["serve", model, "--port", str(port), "--log-level", "warning", *flags])
+    server = build_server(ns)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", server.config.app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def wait_until(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def metric_values(base_url: str) -> dict[str, float]:
+    """Scrape /metrics with prometheus-client's parser: {sample name (+ reason label): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if "finished_reason" in sample.labels:
+                key += "{" + sample.labels["finished_reason"] + "}"
+            if "le" in sample.labels:
+                continue
+            values[key] = sample.value
+    return values

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible server, driven by real HTTP clients (the official openai SDK among them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from tests.serving import free_port, metric_values, running_server, wait_until
+
+ENGINE_FLAGS = ("--kv-cache-memory", "16MiB", "--max-model-len", "1024")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(*ENGINE_FLAGS, "--max-num-seqs", "16") as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_chat_and_streaming_with_the_openai_sdk(client):
+    c = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0)
+    assert c.object == "text_completion" and c.choices[0].finish_reason in ("length", "stop")
+    assert c.usage.completion_tokens == 12 or c.choices[0].finish_reason == "stop"
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model="tiny", prompt="Hello world", max_tokens=12, temperature=0, stream=True) if chunk.choices)
+    assert streamed == c.choices[0].text
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=10, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+def test_prompt_forms_and_multiple_prompts(server, client):
+    tok_ids = httpx.post(f"{server[0]}/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    by_text = client.completions.create(model="tiny", prompt="Hello world", max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=tok_ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    many = client.completions.create(model="tiny", prompt=["Hello world", "Paris"], max_tokens=6, temperature=0)
+    assert [ch.index for ch in many.choices] == [0, 1] and many.choices[0].text == by_text.choices[0].text
+    assert httpx.post(f"{server[0]}/detokenize", json={"tokens": tok_ids}).json()["prompt"] == "Hello world"
+
+
+def test_32_concurrent_streams_match_the_offline_api(server):
+    prompts = [f"Request number {i} says hello" for i in range(32)]
+    llm = LLM("tiny", kv_cache_memory="16MiB", max_model_len=1024)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20,
+                                                                               ignore_eos=True), use_tqdm=False)]
+    aclient = openai.AsyncOpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+    async def one(p: str) -> str:
+        stream = await aclient.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(main()) == expected
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    return err
+
+
+@pytest.mark.parametrize("body, param, fragments", [
+    ({"prompt": "Hello", "max_tokens": 1023}, "max_tokens", ["1024", "1025", "1023"]),
+    ({"prompt": [5] * 1030, "max_tokens": None}, "prompt", ["1024", "1030"]),
+    ({"prompt": "Hello", "temperature": -1}, "temperature", ["temperature"]),
+    ({"prompt": "Hello", "top_p": 1.5}, "top_p", ["top_p"]),
+    ({"prompt": "Hello", "max_tokens": 0}, "max_tokens", ["max_tokens"]),
+    ({"prompt": "Hello", "model": "gpt-4"}, "model", ["gpt-4"]),
+    ({"prompt": "Hello", "presence_penalty": 0.5}, "presence_penalty", ["presence_penalty"]),
+    ({"prompt": [999999]}, "prompt", ["Token ids"]),
+    ({"max_tokens": 3}, "prompt", ["prompt"]),
+    ({"prompt": "Hello", "max_tokens": "many"}, "max_tokens", ["max_tokens"]),
+])
+def test_bad_completion_requests_get_400(server, body, param, fragments):
+    err = _error(httpx.post(f"{server[0]}/v1/completions", json=body), 400)
+    assert err["param"] == param
+    for f in fragments:
+        assert f in err["message"], err["message"]
+
+
+def test_bad_chat_and_malformed_json_get_400(server):
+    url = server[0]
+    err = _error(httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert "JSON" in err["message"]
+    _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": []}), 400)
+    _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "top_logprobs": 3}), 400)
+    with pytest.raises(openai.BadRequestError) as e:
+        openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}])
+    assert "nope" in str(e.value)
+
+
+def test_logprobs_in_both_apis(client):
+    c = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].logprob == content[0].top_logprobs[0].logprob  # greedy: the sampled token ranks first
+
+
+def test_stop_strings_are_never_streamed(client):
+    full = client.completions.create(model="tiny", prompt="Hello world", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[8:11]
+    want = full[:full.find(stop)]
+    pieces = [ch.choices[0] for ch in client.completions.create(model="tiny", prompt="Hello world", max_tokens=24,
+                                                                  temperature=0, stop=[stop], stream=True,
+                                                                  extra_body={"ignore_eos": True}) if ch.choices]
+    assert "".join(p.text for p in pieces) == want and pieces[-1].finish_reason == "stop"
+
+
+def test_models_health_version(server):
+    url = server[0]
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 1024
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/version").json()["version"]
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    url, app = server
+    engine = app.state.engine
+    pool = engine.core.pool
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{url}/v1/completions",
+                         json={"prompt": "Hello", "max_tokens": 1000, "temperature": 0, "stream": True,
+                               "ignore_eos": True}) as resp:
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: {") for line in got)
+            assert engine.num_in_flight == 1 and pool.num_free_blocks < pool.num_blocks
+    assert wait_until(lambda: engine.num_in_flight == 0 and pool.num_free_blocks == pool.num_blocks)
+    assert wait_until(lambda: not engine.core.has_unfinished)
+
+
+def test_disconnect_during_non_streaming_request_aborts_it(server):
+    url, app = server
+    engine = app.state.engine
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True},
+                   timeout=0.5)
+    assert wait_until(lambda: engine.num_in_flight == 0 and engine.core.pool.num_free_blocks == engine.core.pool.num_blocks)
+
+
+def test_metrics_counters_move(server, client):
+    url = server[0]
+    before = metric_values(url)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "pagedserve:device_memory_used_bytes", "pagedserve:device_memory_peak_bytes"):
+        assert name in before, name
+    c = client.completions.create(model="tiny", prompt="Hello world", max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = metric_values(url)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 7
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == c.usage.prompt_tokens
+    assert after["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"] + 1
+    assert after["vllm:inter_token_latency_seconds_count"] == before["vllm:inter_token_latency_seconds_count"] + 6
+    assert after["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"] + 1
+    assert after["vllm:request_success_total{length}"] == before.get("vllm:request_success_total{length}", 0) + 1
+    assert after["pagedserve:device_memory_peak_bytes"] > 0
+
+
+def test_api_key():
+    with running_server(*ENGINE_FLAGS, "--api-key", "s3cret") as (url, _):
+        _error(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 401)
+        _error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        ok = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200  # only /v1 paths need the key
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").models.list().data[0].id == "tiny"
+
+
+def test_queue_limit_gives_503_with_retry_after():
+    with running_server(*ENGINE_FLAGS, "--max-num-queued-reqs", "2", "--served-model-name", "small") as (url, app):
+        engine = app.state.engine
+        body = {"model": "small", "prompt": "Hello", "max_tokens": 900, "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as r1, \
+                    http.stream("POST", f"{url}/v1/completions", json=body) as r2:
+                assert r1.status_code == r2.status_code == 200
+                assert engine.num_in_flight == 2
+                r3 = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+                err = _error(r3, 503)
+                assert r3.headers["retry-after"] == "1" and "--max-num-queued-reqs" in err["message"]
+        assert wait_until(lambda: engine.num_in_flight == 0)
+        ok = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200  # accepted again once the queue drained
+        assert metric_values(url)["pagedserve:rejected_requests_total"] == 1
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero():
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "tiny", "--port", str(port),
+                             *ENGINE_FLAGS, "--shutdown-timeout", "30"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(up, timeout=90), proc.stdout.read1().decode() if proc.poll() is not None else "no start"
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{url}/v1/completions",
+                             json={"prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True,
+                                   "temperature": 0}) as resp:
+                lines = resp.iter_lines()
+                next(lines)
+                proc.send_signal(signal.SIGTERM)
+                rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        finals = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        assert finals[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        time.sleep(0)
+
+
+def test_seed_documents_serve_command_parses_and_resolves():
+    """The seed document's command (with --load-format dummy) resolves to the config it asks for; starting
+    it needs an 8B model's memory, which the GPU benchmarks do (docs/benchmarks.md)."""
+    from pagedserve.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args(
+        ["serve", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "0.88", "--max-model-len", "8192", "--max-num-seqs",
+         "16", "--max-num-batched-tokens", "4096", "--enable-chunked-prefill", "--load-format", "dummy"])
+    cfg = engine_args_from(ns).create_config()
+    assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (8192, 16, 4096)
+    assert cfg.enable_chunked_prefill and cfg.args.gpu_memory_utilization == 0.88
+    assert cfg.model.num_layers == 36 and cfg.model.qk_norm
