@@ -209,9 +209,11 @@ def test_api_key():
 
 
 def test_queue_limit_gives_503_with_retry_after():
-    with running_server(*ENGINE_FLAGS, "--max-num-queued-reqs", "2", "--served-model-name", "small") as (url, app):
+    flags = ("--kv-cache-memory", "16MiB", "--max-num-queued-reqs", "2", "--served-model-name", "small")
+    with running_server(*flags) as (url, app):
         engine = app.state.engine
-        body = {"model": "small", "prompt": "Hello", "max_tokens": 900, "stream": True, "ignore_eos": True}
+        # long enough (2000 steps) that both are still running when the third request arrives
+        body = {"model": "small", "prompt": "Hello", "max_tokens": 2000, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", f"{url}/v1/completions", json=body) as r1, \
                     http.stream("POST", f"{url}/v1/completions", json=body) as r2:

@@ -191,7 +191,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         made = [engine.inputs.make_request(f"{base_id}-{i}", p, dataclasses.replace(params))
                 for i, p in enumerate(prompts)]
         admit(len(made))
-        return [engine.generate(req, text) for req, text in made]
+        return [engine.add(req, text) for req, text in made]
 
     # ---------------------------------------------------------------- completions
 

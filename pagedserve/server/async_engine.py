@@ -130,6 +130,8 @@ class AsyncEngine:
             q = self._queues.get(res.request_id)
             if q is not None:
                 q.put_nowait(res)
+                if res.finished:  # no longer in flight, whether or not anyone reads the stream
+                    del self._queues[res.request_id]
         if self.observer is not None:
             self.observer.observe(results)
 
@@ -137,18 +139,22 @@ class AsyncEngine:
         self.dead = error
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(f"The engine stopped: {error!r}"))
+        self._queues.clear()
 
-    async def generate(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after each step until it finishes. The request comes
-        from ``self.inputs.make_request`` (so bad input fails before a response starts). Closing the
-        iterator early (a client that went away) aborts the request and frees its KV blocks."""
+    def add(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
+        """Admit a request (from ``self.inputs.make_request``, so bad input fails before a response
+        starts) and return the stream of its cumulative outputs, one per step, until it finishes.
+        The request counts as in flight from here until it finishes or its stream is closed early (a
+        client that went away), which aborts it and frees its KV blocks."""
         if self.dead is not None:
             raise EngineDeadError(f"The engine stopped: {self.dead!r}")
         q: asyncio.Queue = asyncio.Queue()
-        rid = request.request_id
-        self._queues[rid] = q
+        self._queues[request.request_id] = q
         self.outputs.add(request, text)
         self._inbox.put(_Add(request))
+        return self._stream(request.request_id, q)
+
+    async def _stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -158,12 +164,16 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            del self._queues[rid]
             if not finished:
-                self.outputs.abort(rid)
-                self._inbox.put(_Abort([rid]))
-                if self.observer is not None:
-                    self.observer.aborted(rid)
+                self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        if self._queues.pop(rid, None) is None:
+            return
+        self.outputs.abort(rid)
+        self._inbox.put(_Abort([rid]))
+        if self.observer is not None:
+            self.observer.aborted(rid)
 
     async def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Change the scheduler's step limits at runtime (applied between two steps)."""
