@@ -44,7 +44,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S", stream=sys.stderr)
 
 
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.server.cli import add_serve_parser
 
     add_serve_parser(sub)
+    from pagedserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

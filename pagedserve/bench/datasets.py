@@ -1,0 +1,132 @@
+"""Benchmark workloads: random, ShareGPT-format JSON, and custom JSONL (vLLM bench's datasets)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pagedserve.errors import ConfigError
+
+# Without a tokenizer the client cannot know the vocabulary: ids below this bound exist in every model
+# (byte-level vocabularies start with the 256 bytes).
+NO_TOKENIZER_VOCAB = 256
+
+
+@dataclass
+class SampleRequest:
+    prompt: str | list[int]
+    prompt_len: int
+    expected_output_len: int
+
+
+def _lengths(rng: np.random.Generator, mean: int, ratio: float, n: int, minimum: int) -> np.ndarray:
+    """Integers uniform in [floor(mean(1-r)), ceil(mean(1+r))], at least ``minimum``."""
+    low, high = math.floor(mean * (1 - ratio)), math.ceil(mean * (1 + ratio))
+    return np.maximum(rng.integers(low, high + 1, size=n), minimum)
+
+
+def random_dataset(num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                   prefix_len: int = 0, seed: int = 0, tokenizer=None) -> list[SampleRequest]:
+    """Prompts of random tokens. With a tokenizer they are decoded to text (and re-encoded to keep the
+    length exact where the tokenizer allows); without one they are sent as token ids."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ConfigError(f"--random-range-ratio must be in [0, 1), got {range_ratio}.")
+    if input_len < 1 or output_len < 1 or prefix_len < 0:
+        raise ConfigError("--random-input-len and --random-output-len must be >= 1, --random-prefix-len >= 0.")
+    rng = np.random.default_rng(seed)
+    if tokenizer is not None:
+        special = set(tokenizer.all_special_ids)
+        allowed = np.array([i for i in range(len(tokenizer)) if i not in special])
+    else:
+        allowed = np.arange(NO_TOKENIZER_VOCAB)
+    prefix = allowed[rng.integers(0, len(allowed), size=prefix_len)].tolist()
+    in_lens = _lengths(rng, input_len, range_ratio, num_prompts, 1)
+    out_lens = _lengths(rng, output_len, range_ratio, num_prompts, 1)
+    offsets = rng.integers(0, len(allowed), size=num_prompts)
+    samples = []
+    for n, out, off in zip(in_lens, out_lens, offsets):
+        ids = prefix + allowed[(off + np.arange(n)) % len(allowed)].tolist()
+        if tokenizer is None:
+            samples.append(SampleRequest(ids, len(ids), int(out)))
+            continue
+        text = tokenizer.decode(ids)
+        re_ids = tokenizer.encode(text, add_special_tokens=False)[: len(ids)]
+        text = tokenizer.decode(re_ids)
+        samples.append(SampleRequest(text, len(re_ids), int(out)))
+    return samples
+
+
+def sharegpt_dataset(path: str, num_prompts: int, tokenizer=None, output_len: int | None = None,
+                     seed: int = 0) -> list[SampleRequest]:
+    """First human turn as the prompt, the reply's length as the output length (ShareGPT JSON)."""
+    data = _read_json(path)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(data))
+    samples = []
+    for i in order:
+        conv = data[i].get("conversations") or data[i].get("conversation") or []
+        if len(conv) < 2:
+            continue
+        prompt, reply = conv[0].get("value", ""), conv[1].get("value", "")
+        p_len = len(tokenizer.encode(prompt)) if tokenizer else max(1, len(prompt) // 4)
+        o_len = output_len or (len(tokenizer.encode(reply)) if tokenizer else max(1, len(reply) // 4))
+        if p_len < 4 or o_len < 4:  # vLLM drops very short pairs too
+            continue
+        samples.append(SampleRequest(prompt, p_len, o_len))
+        if len(samples) == num_prompts:
+            break
+    if len(samples) < num_prompts:
+        raise ConfigError(f"--dataset-path {path}: only {len(samples)} usable conversations for "
+                          f"--num-prompts {num_prompts}.")
+    return samples
+
+
+def custom_dataset(path: str, num_prompts: int, tokenizer=None, output_len: int = 256) -> list[SampleRequest]:
+    """JSONL: one {"prompt": ..., "output_len": N} per line (output_len optional)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--dataset-path {path!r} is not a file.")
+    samples = []
+    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt = row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"--dataset-path {path}:{lineno}: expected a JSON object with a 'prompt' ({e}).") from e
+        p_len = len(prompt) if isinstance(prompt, list) else (
+            len(tokenizer.encode(prompt)) if tokenizer else max(1, len(prompt) // 4))
+        samples.append(SampleRequest(prompt, p_len, int(row.get("output_len", output_len))))
+        if len(samples) == num_prompts:
+            break
+    if len(samples) < num_prompts:
+        raise ConfigError(f"--dataset-path {path}: {len(samples)} prompts for --num-prompts {num_prompts}.")
+    return samples
+
+
+def _read_json(path: str):
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--dataset-path {path!r} is not a file.")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--dataset-path {path}: not valid JSON ({e}).") from e
+
+
+def load_dataset(ns, tokenizer) -> list[SampleRequest]:
+    """The dataset the flags ask for (shared by bench serve and bench throughput)."""
+    name = ns.dataset_name
+    if name == "random":
+        return random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
+                              ns.random_prefix_len, ns.seed, tokenizer)
+    if ns.dataset_path is None:
+        raise ConfigError(f"--dataset-name {name} needs --dataset-path.")
+    if name == "sharegpt":
+        return sharegpt_dataset(ns.dataset_path, ns.num_prompts, tokenizer, ns.sharegpt_output_len, ns.seed)
+    return custom_dataset(ns.dataset_path, ns.num_prompts, tokenizer, ns.custom_output_len)

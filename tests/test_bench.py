@@ -1,0 +1,162 @@
+"""Benchmarks: vLLM's metric definitions, arrival pacing, the concurrency cap, and end-to-end runs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagedserve.bench.datasets import NO_TOKENIZER_VOCAB, custom_dataset, random_dataset, sharegpt_dataset
+from pagedserve.bench.metrics import RequestResult, calculate_metrics, parse_goodput
+from pagedserve.bench.serve import arrival_delays, parse_metrics
+from pagedserve.cli import main
+from pagedserve.errors import ConfigError
+from tests.serving import running_server
+
+
+def test_metrics_match_hand_computed_values():
+    a = RequestResult(success=True, prompt_len=10, output_tokens=4, ttft=0.1, itl=[0.02, 0.03, 0.05],
+                      latency=0.2, start_time=0.0)
+    b = RequestResult(success=True, prompt_len=20, output_tokens=2, ttft=0.3, itl=[0.1], latency=0.4, start_time=0.5)
+    c = RequestResult(success=True, prompt_len=5, output_tokens=1, ttft=0.05, itl=[], latency=0.05, start_time=1.2)
+    failed = RequestResult(success=False, error="HTTP 500", prompt_len=99)
+    m = calculate_metrics([a, b, c, failed], duration=2.0, percentiles=[50, 99], percentile_metrics=["ttft", "itl"],
+                          goodput=parse_goodput(["ttft:200", "tpot:60"]))
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["total_input_tokens"] == 35 and m["total_output_tokens"] == 7
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_throughput"] == pytest.approx(3.5)
+    assert m["total_token_throughput"] == pytest.approx(21.0)
+    # TTFT over successes: 100, 300, 50 ms
+    assert m["mean_ttft_ms"] == pytest.approx(150.0)
+    assert m["median_ttft_ms"] == pytest.approx(100.0)
+    assert m["p99_ttft_ms"] == pytest.approx(np.percentile([100, 300, 50], 99))
+    # TPOT excludes the first token and requests with one token: a = 100/3 ms, b = 100 ms
+    assert m["mean_tpot_ms"] == pytest.approx((100 / 3 + 100) / 2)
+    # ITL pools every chunk gap: 20, 30, 50, 100 ms
+    assert m["mean_itl_ms"] == pytest.approx(50.0)
+    assert m["p50_itl_ms"] == pytest.approx(40.0)
+    assert m["mean_e2el_ms"] == pytest.approx((200 + 400 + 50) / 3)
+    assert "p99_e2el_ms" not in m  # only the chosen percentile metrics get percentiles
+    # goodput: a (ttft 100, tpot 33) and c (ttft 50, one token) are good; b (ttft 300) is not
+    assert m["request_goodput"] == pytest.approx(1.0)
+    # token times: a at 0.10 0.12 0.15 0.20, b at 0.8 0.9, c at 1.25 -> bins [0,1): 6, [1,2): 1
+    assert m["max_output_tokens_per_s"] == 6
+    # a [0, .2), b [.5, .9), c [1.2, 1.25): never two at once
+    assert m["max_concurrent_requests"] == 1
+
+
+def test_goodput_parsing_errors():
+    with pytest.raises(ValueError, match="ttft, tpot, e2el"):
+        parse_goodput(["latency:5"])
+    with pytest.raises(ValueError, match="milliseconds"):
+        parse_goodput(["ttft:fast"])
+
+
+@pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
+def test_arrivals_follow_rate_and_burstiness(burstiness):
+    n, rate = 20000, 8.0
+    offsets = arrival_delays(n, rate, burstiness, seed=3)
+    gaps = np.diff(np.concatenate([[0.0], offsets]))
+    assert offsets[-1] == pytest.approx(n / rate)  # rescaled to end exactly at n/rate
+    assert gaps.mean() == pytest.approx(1 / rate, rel=1e-9)
+    # a gamma with shape k has coefficient of variation 1/sqrt(k)
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / np.sqrt(burstiness), rel=0.05)
+    assert np.all(gaps >= 0)
+    assert np.all(arrival_delays(10, float("inf"), 1.0, 0) == 0)
+
+
+def test_random_dataset_lengths_and_token_ids():
+    samples = random_dataset(200, input_len=100, output_len=50, range_ratio=0.2, prefix_len=7, seed=1)
+    assert all(isinstance(s.prompt, list) and max(s.prompt) < NO_TOKENIZER_VOCAB for s in samples)
+    ins = [s.prompt_len for s in samples]
+    outs = [s.expected_output_len for s in samples]
+    assert min(ins) >= 80 + 7 and max(ins) <= 120 + 7 and min(outs) >= 40 and max(outs) <= 60
+    assert len(set(ins)) > 10
+    assert all(s.prompt[:7] == samples[0].prompt[:7] for s in samples)  # the shared prefix
+    with pytest.raises(ConfigError, match="range-ratio"):
+        random_dataset(1, 10, 10, range_ratio=1.5)
+
+
+def test_random_dataset_as_text_with_a_tokenizer(tiny_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    samples = random_dataset(20, input_len=64, output_len=8, seed=0, tokenizer=tok)
+    assert all(isinstance(s.prompt, str) for s in samples)
+    assert all(abs(len(tok.encode(s.prompt, add_special_tokens=False)) - s.prompt_len) <= 2 for s in samples)
+
+
+def test_sharegpt_and_custom_files(tmp_path):
+    conv = [{"conversations": [{"from": "human", "value": f"question number {i} " * 5},
+                               {"from": "gpt", "value": "answer " * (10 + i)}]} for i in range(5)]
+    (tmp_path / "sg.json").write_text(json.dumps(conv))
+    got = sharegpt_dataset(str(tmp_path / "sg.json"), 3, seed=0)
+    assert len(got) == 3 and all(isinstance(s.prompt, str) for s in got)
+    (tmp_path / "c.jsonl").write_text('{"prompt": "hi there", "output_len": 7}\n{"prompt": [1, 2, 3]}\n')
+    got = custom_dataset(str(tmp_path / "c.jsonl"), 2, output_len=9)
+    assert [s.expected_output_len for s in got] == [7, 9] and got[1].prompt_len == 3
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(ConfigError, match="bad.jsonl:1"):
+        custom_dataset(str(tmp_path / "bad.jsonl"), 1)
+
+
+def test_parse_metrics_reads_vllm_names():
+    text = ('# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{model_name="m"} 3\n'
+            '# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
+    assert parse_metrics(text) == {"preemptions": 3.0, "kv_cache_usage": 0.5}
+
+
+def test_bench_serve_end_to_end_respects_max_concurrency(tmp_path):
+    flags = ("--kv-cache-memory", "16MiB", "--max-model-len", "512", "--max-num-seqs", "16")
+    with running_server(*flags) as (url, app):
+        engine = app.state.engine
+        peak = {"n": 0}
+        original = engine.add
+
+        def counting_add(request, text):
+            stream = original(request, text)
+            peak["n"] = max(peak["n"], engine.num_in_flight)
+            return stream
+
+        engine.add = counting_add
+        main(["bench", "serve", "--base-url", url, "--model", "tiny", "--random-input-len", "32",
+              "--random-output-len", "16", "--num-prompts", "24", "--max-concurrency", "3", "--disable-tqdm",
+              "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95",
+              "--goodput", "e2el:60000", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+              "--num-warmups", "0"])
+        engine.add = original
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert 1 <= peak["n"] <= 3  # seen by the server, not the client
+    assert result["completed"] == 24 and result["failed"] == 0 and result["max_concurrency"] == 3
+    assert result["total_output_tokens"] == 24 * 16  # random prompts run with ignore_eos
+    for key in ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
+                "p95_ttft_ms", "p50_itl_ms", "mean_tpot_ms", "p95_e2el_ms", "request_goodput",
+                "server_preemptions", "server_peak_kv_cache_usage", "server_peak_device_memory_bytes"):
+        assert key in result, key
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert result["server_peak_num_requests_running"] <= 3
+
+
+def test_bench_serve_counts_failures(tmp_path):
+    flags = ("--kv-cache-memory", "16MiB", "--max-model-len", "64")
+    with running_server(*flags) as (url, _):
+        # prompts of 60 tokens + 16 output tokens exceed max_model_len: every request fails with a 400
+        main(["bench", "serve", "--base-url", url, "--random-input-len", "60", "--random-output-len", "16",
+              "--num-prompts", "4", "--disable-tqdm", "--num-warmups", "0", "--result-dir", str(tmp_path),
+              "--result-filename", "f.json"])
+    result = json.loads((tmp_path / "f.json").read_text())
+    assert result["failed"] == 4 and result["completed"] == 0
+    assert all("HTTP 400" in e for e in result["errors"])
+
+
+def test_bench_throughput_end_to_end(tmp_path):
+    out = tmp_path / "t.json"
+    main(["bench", "throughput", "--model", "tiny", "--kv-cache-memory", "16MiB", "--num-prompts", "12",
+          "--random-input-len", "40", "--random-output-len", "10", "--random-range-ratio", "0.5",
+          "--output-json", str(out), "--disable-tqdm"])
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 12 and result["requests_per_second"] > 0
+    assert result["total_num_tokens"] == result["total_prompt_tokens"] + result["total_output_tokens"]
+    assert result["tokens_per_second"] == pytest.approx(result["total_num_tokens"] / result["elapsed_time"])
