@@ -206,7 +206,7 @@ class EngineArgs:
     device: str = _arg("auto", "auto, cuda or cpu.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs.")
     tensor_parallel_size: int = _arg(1, "Number of GPUs to shard the model over.")
-    attention_backend: str = _arg("auto", "Attention implementation: auto or torch (the reference).")
+    attention_backend: str = _arg("auto", "Attention implementation: auto (triton on CUDA, torch elsewhere), triton, or torch (the reference).")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -7,6 +7,14 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels run under Triton's interpreter when there is no GPU (read when kernels are defined).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
 os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "pagedserve"))
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +32,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor      # [B, max_blocks] int32
     max_query_len: int
     max_seq_len: int
+    query_lens_cpu: np.ndarray      # [B] the same query lengths on the host (no device sync to read them)
     backend_state: object = None    # whatever the backend precomputes once per step
 
 
@@ -121,7 +123,18 @@ class TorchAttentionBackend:
         return out.transpose(1, 2)[st.query_valid]                     # [T, Hq, D]
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name in ("auto", "torch"):
+def get_attention_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> AttentionBackend:
+    """auto: Triton kernels on CUDA, the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
         return TorchAttentionBackend()
-    raise ConfigError(f"{flag('attention_backend')}: {name!r} is not one of auto, torch.")
+    if name == "triton":
+        try:
+            from pagedserve.model.triton_attention import TritonAttentionBackend
+        except ImportError as e:
+            raise ConfigError(f"{flag('attention_backend')}: triton is not installed ({e}).") from e
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sms)
+    raise ConfigError(f"{flag('attention_backend')}: {name!r} is not one of auto, torch, triton.")

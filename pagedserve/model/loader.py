@@ -17,13 +17,14 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(config: EngineConfig, backend: AttentionBackend) -> DecoderForCausalLM:
-    with torch.device(config.device):
-        model = DecoderForCausalLM(config.model, backend, max_positions=config.max_model_len)
-    model.to(dtype=config.dtype)
-    # the rotary tables stay float32 whatever the model dtype
-    for name, buf in model.named_buffers():
-        if name.endswith(("cos", "sin")):
-            buf.data = buf.data.float()
+    """Parameters are created directly on the device in the model dtype (no float32 copy on the way)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(config.device):
+            model = DecoderForCausalLM(config.model, backend, max_positions=config.max_model_len)
+    finally:
+        torch.set_default_dtype(previous)
     if config.args.load_format == "dummy":
         _init_dummy(model, config.args.seed)
     else:
@@ -35,12 +36,15 @@ def build_model(config: EngineConfig, backend: AttentionBackend) -> DecoderForCa
 
 @torch.no_grad()
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights drawn on the model's device (an 8B model initialises in seconds on a GPU)."""
+    gen = None
     for name, p in model.named_parameters():
+        if gen is None:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         else:
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+            p.normal_(0.0, 0.02, generator=gen)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

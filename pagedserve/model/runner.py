@@ -44,7 +44,9 @@ class ModelRunner:
             self._device_total = total
             self._non_torch_baseline = (total - free) - torch.cuda.memory_reserved(self.device)
 
-        self.backend = get_attention_backend(config.args.attention_backend, self.device)
+        m = config.model
+        self.backend = get_attention_backend(config.args.attention_backend, self.device, m.num_heads,
+                                             m.num_kv_heads, m.head_dim)
         t0 = time.perf_counter()
         self.model = build_model(config, self.backend)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -52,11 +54,15 @@ class ModelRunner:
                     self.weight_bytes / GiB, time.perf_counter() - t0)
 
         self.budget = self._plan_memory()
-        m = config.model
-        shape = (2, self.budget.num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        # one block beyond the pool's: padded rows of a CUDA-graph batch write their K/V there
+        self.trash_slot = self.budget.num_blocks * self.block_size
+        shape = (2, self.budget.num_blocks + 1, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=config.kv_dtype, device=self.device) for _ in range(m.num_layers)]
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(config.args.seed)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
+        if on_cuda and self.backend.name == "triton" and not config.args.enforce_eager:
+            self._capture_decode_graphs()
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -113,6 +119,74 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak, non_torch
 
+    # ------------------------------------------------------------------ CUDA graphs for decode
+
+    def graph_sizes(self) -> list[int]:
+        top = min(self.config.max_num_seqs, 512)
+        return sorted({b for b in [1, 2, 4, 8, *range(16, top + 1, 16)] if b <= top} | {top})
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        """One graph per decode batch size; a step of B decodes replays the smallest graph >= B with
+        the extra rows padded (sequence length 0, K/V written to the trash slot)."""
+        t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        sizes = self.graph_sizes()
+        top, dev = sizes[-1], self.device
+        width = self.config.blocks_per_max_len_request
+        self._static = {
+            "ids": torch.zeros(top, dtype=torch.long, device=dev),
+            "pos": torch.zeros(top, dtype=torch.long, device=dev),
+            "slots": torch.full((top,), self.trash_slot, dtype=torch.long, device=dev),
+            "seq_lens": torch.zeros(top, dtype=torch.int32, device=dev),
+            "starts": torch.arange(top + 1, dtype=torch.int32, device=dev),
+            "tables": torch.zeros((top, width), dtype=torch.int32, device=dev),
+        }
+        st = self._static
+        pool = None
+        for bs in reversed(sizes):
+            segs = self.backend.decode_segments(bs, self.config.max_model_len)
+            meta = AttentionMetadata(st["slots"][:bs], st["starts"][:bs + 1], st["seq_lens"][:bs], st["tables"][:bs],
+                                     1, self.config.max_model_len, np.ones(bs, dtype=np.int64),
+                                     self.backend.make_state(dev, np.arange(bs), [], segs))
+            run = lambda: self.model.compute_logits(self.model(st["ids"][:bs], st["pos"][:bs], self.kv_caches, meta))  # noqa: E731
+            run()  # warm-up: compiles the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = run()
+            pool = graph.pool()
+            self._graphs[bs] = (graph, logits, meta)
+        torch.cuda.synchronize(dev)
+        used = free0 - torch.cuda.mem_get_info(dev)[0]
+        logger.info("Graph capturing finished in %.1f secs, took %.2f GiB (%d decode batch sizes up to %d)",
+                    time.perf_counter() - t0, used / GiB, len(sizes), top)
+
+    def _replay_decode(self, out: SchedulerOutput, pool: BlockPool) -> torch.Tensor | None:
+        """Logits of an all-decode step through a captured graph, or None if the step does not fit one."""
+        n = len(out.scheduled)
+        bs = min((b for b in self._graphs if b >= n), default=None)
+        if bs is None or any(item.num_tokens != 1 or not item.samples for item in out.scheduled):
+            return None
+        st, blk = self._static, self.block_size
+        reqs = [item.request for item in out.scheduled]
+        pos = np.fromiter((item.start for item in out.scheduled), dtype=np.int64, count=n)
+        tables = [pool.block_table(r.request_id) for r in reqs]
+        width = max(len(t) for t in tables)
+        table_arr = np.zeros((n, width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_arr[i, :len(t)] = t
+        last_blocks = table_arr[np.arange(n), pos // blk].astype(np.int64)
+        host = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        st["ids"][:n].copy_(host(np.fromiter((r.all_token_ids[-1] for r in reqs), dtype=np.int64, count=n)))
+        st["pos"][:n].copy_(host(pos))
+        st["slots"][:n].copy_(host(last_blocks * blk + pos % blk))
+        st["slots"][n:bs].fill_(self.trash_slot)
+        st["seq_lens"][:n].copy_(host((pos + 1).astype(np.int32)))
+        st["seq_lens"][n:bs].zero_()
+        st["tables"][:n, :width].copy_(host(table_arr))
+        graph, logits, _ = self._graphs[bs]
+        graph.replay()
+        return logits[:n]
+
     def device_memory(self) -> tuple[int, int]:
         """(bytes in use now, peak bytes) of this engine's device memory (process RSS on CPU)."""
         if self.device.type == "cuda":
@@ -136,13 +210,17 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(starts).to(self.device, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
             block_tables=torch.from_numpy(table_arr).to(self.device, non_blocking=True),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=np.asarray(query_lens))
         self.backend.prepare(meta, self.block_size)
         return meta
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, pool: BlockPool) -> SamplerOutput | None:
         """Run one scheduled step; return one sampled token per request whose ``samples`` is set."""
+        logits = self._replay_decode(out, pool)
+        if logits is not None:
+            return sample(logits, self._sampling_batch(out))
         bs = self.block_size
         ids: list[int] = []
         positions, slots, query_lens, seq_lens, tables, sample_rows = [], [], [], [], [], []
@@ -170,8 +248,11 @@ class ModelRunner:
     def _sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
         params = [item.request for item in out.scheduled if item.samples]
         sp = [r.sampling_params for r in params]
-        vocab = self.config.model.vocab_size
         greedy = [p.greedy for p in sp]
+        num_logprobs = max((p.logprobs for p in sp if p.logprobs is not None), default=-1)
+        if all(greedy):  # the common benchmark case: no per-row tensors to build
+            return SamplingBatch(None, None, None, None, None, [], True, num_logprobs)
+        vocab = self.config.model.vocab_size
         dev = self.device
         top_k = [p.top_k if p.top_k > 0 else vocab for p in sp]
         gens: list[torch.Generator | None] = []
@@ -189,8 +270,7 @@ class ModelRunner:
             top_k=torch.tensor(top_k, device=dev) if any(k < vocab for k in top_k) else None,
             top_p=torch.tensor([p.top_p for p in sp], device=dev) if any(p.top_p < 1.0 for p in sp) else None,
             min_p=torch.tensor([p.min_p for p in sp], device=dev) if any(p.min_p > 0.0 for p in sp) else None,
-            generators=gens, all_greedy=all(greedy),
-            num_logprobs=max((p.logprobs for p in sp if p.logprobs is not None), default=-1))
+            generators=gens, all_greedy=False, num_logprobs=num_logprobs)
 
     def release(self, request_ids) -> None:
         """Forget per-request state (sampling generators) of finished requests."""

@@ -15,8 +15,8 @@ import torch
 class SamplingBatch:
     """Per-row parameters as tensors, built once per step by the model runner."""
 
-    temperature: torch.Tensor        # [N] float32 (1.0 for greedy rows)
-    greedy: torch.Tensor             # [N] bool
+    temperature: torch.Tensor | None  # [N] float32 (1.0 for greedy rows); None when all rows are greedy
+    greedy: torch.Tensor | None       # [N] bool; None when all rows are greedy
     top_k: torch.Tensor | None       # [N] int64, vocab size for rows without top-k; None if no row uses it
     top_p: torch.Tensor | None       # [N] float32; None if no row uses it
     min_p: torch.Tensor | None       # [N] float32; None if no row uses it

@@ -1,0 +1,213 @@
+"""Paged attention in Triton: one kernel for prefill chunks and decode, reading K/V through block tables.
+
+A program handles one *query tile* (up to BLOCK_Q consecutive new tokens of one request) for one KV
+head, with all G query heads of that KV head stacked into the rows of one matrix (BLOCK_M = BLOCK_Q x G,
+padded), so a decode step still feeds the tensor cores. It walks the request's keys in TILE-sized steps,
+finding each key's physical block through the block table, with an online softmax in float32.
+
+Decode tiles may be split over NUM_SEGMENTS programs along the keys (flash-decoding); each writes a
+partial (acc, max, sum) and a second kernel merges them. Decode and prefill tiles are launched
+separately so each gets a tile shape that suits it.
+
+Tested against the torch reference backend: on CPU under TRITON_INTERPRET=1 (tests/test_triton_attention.py)
+and on the GPU on real shapes (benchmarks/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.model.attention import AttentionMetadata, write_kv
+
+
+@triton.jit
+def _paged_attention(
+    Q, KV, Out, PartAcc, PartML,
+    block_tables, seq_lens, query_start, tile_seq, tile_qoff,
+    scale,
+    stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
+    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seg = tl.program_id(2)
+    seq = tl.load(tile_seq + tile)
+    q_off = tl.load(tile_qoff + tile)
+    q_start = tl.load(query_start + seq)
+    q_len = tl.load(query_start + seq + 1) - q_start
+    seq_len = tl.load(seq_lens + seq)
+    ctx = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    t = rows // G
+    g = rows % G
+    tok = q_off + t
+    row_valid = (t < BLOCK_Q) & (tok < q_len)
+    head = kvh * G + g
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_valid[:, None], other=0.0)
+    qpos = ctx + tok
+
+    kv_end = tl.minimum(seq_len, ctx + q_off + BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE)
+    per_seg = tl.cdiv(num_tiles, NUM_SEGMENTS)
+    first = seg * per_seg
+    last = tl.minimum(num_tiles, first + per_seg)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    K = KV
+    V = KV + stride_kvkv
+    for j in range(first, last):
+        kpos = j * TILE + tl.arange(0, TILE)
+        kmask = kpos < kv_end
+        blk = tl.load(block_tables + seq * stride_bt + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+        off = blk * stride_kvb + (kpos % PAGE) * stride_kvs + kvh * stride_kvh
+        k = tl.load(K + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * scale
+        allowed = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        s_sum = s_sum * alpha + tl.sum(p, 1)
+        v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m = m_new
+
+    out_row = q_start + tok
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(s_sum == 0.0, 1.0, s_sum)[:, None]
+        tl.store(Out + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        # partials indexed [decode tile, q head, segment, ...]; num q heads = G * num kv heads
+        hq = G * tl.num_programs(1)
+        base = (tile * hq + head) * NUM_SEGMENTS + seg
+        tl.store(PartAcc + base[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
+        tl.store(PartML + base * 2, m, mask=row_valid)
+        tl.store(PartML + base * 2 + 1, s_sum, mask=row_valid)
+
+
+@triton.jit
+def _merge_segments(PartAcc, PartML, Out, tile_seq, query_start, stride_ot, stride_oh,
+                    HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    """out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, per (decode tile, head)."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    hq = tl.num_programs(1)
+    row = tl.load(query_start + tl.load(tile_seq + tile))
+    segs = tl.arange(0, NUM_SEGMENTS)
+    d = tl.arange(0, HEAD_DIM)
+    base = (tile * hq + head) * NUM_SEGMENTS + segs
+    m = tl.load(PartML + base * 2)
+    ssum = tl.load(PartML + base * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(ssum > 0.0, tl.exp(m - m_max), 0.0)
+    acc = tl.load(PartAcc + base[:, None] * HEAD_DIM + d[None, :])
+    total = tl.sum(w * ssum, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + row * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class _Launch:
+    tile_seq: torch.Tensor
+    tile_qoff: torch.Tensor
+    block_q: int
+    block_m: int
+    num_segments: int
+
+
+@dataclass
+class TritonState:
+    decode: _Launch | None
+    prefill: _Launch | None
+    part_acc: torch.Tensor | None
+    part_ml: torch.Tensor | None
+
+
+class TritonAttentionBackend:
+    name = "triton"
+    TILE = 32
+    PREFILL_ROWS = 64
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132):
+        self.G = num_heads // num_kv_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_sms = num_sms
+        # a decode tile is one token: its G heads padded to the smallest dot the tensor cores take
+        self.decode_block_m = max(16, _next_pow2(self.G))
+        self.prefill_block_q = max(1, self.PREFILL_ROWS // self.G)
+
+    def decode_segments(self, batch: int, max_seq_len: int) -> int:
+        """Split long keys over programs when the batch alone cannot fill the GPU."""
+        programs = batch * self.num_kv_heads
+        want = -(-2 * self.num_sms // programs)
+        useful = -(-max_seq_len // (4 * self.TILE))  # at least 4 tiles a segment
+        return max(1, min(16, _next_pow2(min(want, useful))))
+
+    def make_state(self, dev, decode_seqs: np.ndarray, prefill_tiles: list[tuple[int, int]],
+                   num_segments: int) -> TritonState:
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev, non_blocking=True)  # noqa: E731
+        decode = prefill = None
+        if len(decode_seqs):
+            decode = _Launch(to(decode_seqs), to(np.zeros(len(decode_seqs))), 1, self.decode_block_m, num_segments)
+        if prefill_tiles:
+            arr = np.asarray(prefill_tiles, dtype=np.int32).reshape(-1, 2)
+            prefill = _Launch(to(arr[:, 0]), to(arr[:, 1]), self.prefill_block_q,
+                              max(16, _next_pow2(self.prefill_block_q * self.G)), 1)
+        part_acc = part_ml = None
+        if decode is not None and num_segments > 1:
+            n = len(decode_seqs)
+            part_acc = torch.empty((n, self.num_heads, num_segments, self.head_dim), dtype=torch.float32, device=dev)
+            part_ml = torch.empty((n, self.num_heads, num_segments, 2), dtype=torch.float32, device=dev)
+        return TritonState(decode, prefill, part_acc, part_ml)
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        qlens = meta.query_lens_cpu
+        decode_seqs = np.nonzero(qlens == 1)[0]
+        prefill_tiles = [(i, off) for i in np.nonzero(qlens > 1)[0] for off in range(0, int(qlens[i]), self.prefill_block_q)]
+        segs = self.decode_segments(len(decode_seqs), meta.max_seq_len) if len(decode_seqs) else 1
+        meta.backend_state = self.make_state(meta.seq_lens.device, decode_seqs, prefill_tiles, segs)
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        st: TritonState = meta.backend_state
+        out = torch.empty_like(q)
+        for launch in (st.decode, st.prefill):
+            if launch is not None:
+                self._launch(q, kv_cache, out, meta, st, launch, scale)
+        return out
+
+    def _launch(self, q, kv_cache, out, meta, st, launch: _Launch, scale):
+        segs = launch.num_segments
+        grid = (launch.tile_seq.shape[0], self.num_kv_heads, segs)
+        dummy = out if segs == 1 else None
+        _paged_attention[grid](
+            q, kv_cache, out, st.part_acc if segs > 1 else dummy, st.part_ml if segs > 1 else dummy,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, launch.tile_seq, launch.tile_qoff,
+            scale,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            meta.block_tables.stride(0), out.stride(0), out.stride(1),
+            G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
+            TILE=self.TILE, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs,
+        )
+        if segs > 1:
+            _merge_segments[(launch.tile_seq.shape[0], self.num_heads)](
+                st.part_acc, st.part_ml, out, launch.tile_seq, meta.query_start_loc, out.stride(0), out.stride(1),
+                HEAD_DIM=self.head_dim, NUM_SEGMENTS=segs)
