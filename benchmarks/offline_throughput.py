@@ -1,0 +1,139 @@
+"""Offline throughput (issue targets 2-4): nano-vllm's workload or fixed lengths, optionally against
+Hugging Face transformers' continuous batching on the same weights.
+
+python benchmarks/offline_throughput.py --model Qwen/Qwen3-0.6B --num-seqs 256 --min-len 100 --max-len 1024 --hf-peer
+python benchmarks/offline_throughput.py --model Qwen/Qwen3-8B --num-seqs 1000 --input-len 1024 --output-len 1024
+
+nano-vllm's workload: 256 sequences, prompt and output lengths each uniform in [100, 1024], random token
+ids below 10000, seed 0, ignore_eos. Throughput = output tokens / wall time, as nano-vllm reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.model.known_models import KNOWN_MODELS  # noqa: E402
+
+
+def workload(ns):
+    rng = np.random.default_rng(ns.seed)
+    if ns.input_len:
+        ins = [ns.input_len] * ns.num_seqs
+        outs = [ns.output_len] * ns.num_seqs
+    else:
+        ins = rng.integers(ns.min_len, ns.max_len + 1, ns.num_seqs).tolist()
+        outs = rng.integers(ns.min_len, ns.max_len + 1, ns.num_seqs).tolist()
+    prompts = [rng.integers(0, 10000, n).tolist() for n in ins]
+    return prompts, outs
+
+
+def run_ours(model, prompts, outs, ns) -> dict:
+    t0 = time.perf_counter()
+    llm = LLM(model, load_format="auto" if Path(model).is_dir() else "dummy", dtype="bfloat16",
+              max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
+              max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens)
+    init = time.perf_counter() - t0
+    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    core = llm.engine.core
+    pre, steps0 = core.counters.num_preemptions, core.counters.num_steps
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(r.outputs[0].token_ids) for r in res)
+    budget = core.runner.budget
+    out = {"engine": "pagedserve", "output_tokens": tokens, "seconds": dt, "output_tok_per_s": tokens / dt,
+           "total_tok_per_s": (tokens + sum(map(len, prompts))) / dt, "init_seconds": init,
+           "steps": core.counters.num_steps - steps0, "preemptions": core.counters.num_preemptions - pre,
+           "kv_cache_tokens": budget.kv_tokens, "peak_memory_gib": core.runner.device_memory()[1] / 2**30}
+    del llm, core
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_hf(folder, prompts, outs) -> dict:
+    """transformers' continuous batching (attn_implementation "paged|sdpa"), per-request lengths."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="paged|sdpa").cuda().eval()
+    gen = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    t0 = time.perf_counter()
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        manager.add_request(input_ids=p, request_id=str(i), max_new_tokens=o)
+    tokens, done = 0, 0
+    while done < len(prompts):
+        r = manager.get_result(timeout=600)
+        if r is None:
+            continue
+        if r.is_finished():
+            done += 1
+            tokens += len(r.generated_tokens)
+    dt = time.perf_counter() - t0
+    manager.stop(block=True)
+    return {"engine": "transformers generate (continuous batching, paged|sdpa)", "output_tokens": tokens,
+            "seconds": dt, "output_tok_per_s": tokens / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="Qwen/Qwen3-0.6B")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=100)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--input-len", type=int, default=0, help="fixed lengths instead of nano-vllm's ranges")
+    ap.add_argument("--output-len", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--hf-peer", action="store_true", help="also run transformers on the same weights")
+    ap.add_argument("--output-json", default=None)
+    ns = ap.parse_args()
+    prompts, outs = workload(ns)
+    results = []
+    if ns.hf_peer:
+        # one set of random weights, written once as an HF checkpoint, read by both engines
+        from pagedserve.model.tiny import write_random_checkpoint
+
+        folder = Path(tempfile.mkdtemp()) / "ckpt"
+        cfg = {**KNOWN_MODELS[ns.model], "torch_dtype": "bfloat16"}
+        t0 = time.perf_counter()
+        write_random_checkpoint(folder, cfg, seed=0, std=0.02, with_tokenizer=False)
+        print(f"wrote random {ns.model} checkpoint in {time.perf_counter() - t0:.1f} s", flush=True)
+        model = str(folder)
+    else:
+        model = ns.model
+    ours = run_ours(model, prompts, outs, ns)
+    results.append(ours)
+    print(json.dumps(ours), flush=True)
+    if ns.hf_peer:
+        try:
+            hf = run_hf(model, prompts, outs)
+            results.append(hf)
+            print(json.dumps(hf), flush=True)
+            print(f"pagedserve / transformers output throughput: {ours['output_tok_per_s'] / hf['output_tok_per_s']:.1f}x")
+        except Exception as e:  # report, do not hide, a failing peer
+            print(f"transformers peer failed: {type(e).__name__}: {e}")
+    print(f"{ns.model}: {ns.num_seqs} requests, {ours['output_tokens']} output tokens in {ours['seconds']:.2f} s = "
+          f"{ours['output_tok_per_s']:.0f} output tok/s ({ours['steps']} steps, {ours['preemptions']} preemptions, "
+          f"KV cache {ours['kv_cache_tokens']} tokens, peak {ours['peak_memory_gib']:.1f} GiB)")
+    if ns.output_json:
+        Path(ns.output_json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

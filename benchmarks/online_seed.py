@@ -1,0 +1,70 @@
+"""The seed document's online test (issue target 5): start the server with the seed command, run the
+seed bench command against it, report p95 TTFT, ITL and peak memory, then stop the server with SIGTERM.
+
+python benchmarks/online_seed.py [--result-dir DIR] [--model Qwen/Qwen3-8B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="Qwen/Qwen3-8B")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--result-dir", default="results")
+    ap.add_argument("--server-flags", default="--gpu-memory-utilization 0.88 --max-model-len 8192 --max-num-seqs 16 "
+                                              "--max-num-batched-tokens 4096 --enable-chunked-prefill")
+    ap.add_argument("--bench-flags", default="--random-input-len 1024 --random-output-len 256 --num-prompts 128 "
+                                             "--request-rate 8")
+    ns = ap.parse_args()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    serve = [sys.executable, "-m", "pagedserve.cli", "serve", ns.model, "--load-format", "dummy", "--port", str(ns.port),
+             *ns.server_flags.split()]
+    print("$", " ".join(serve[2:]), flush=True)
+    server = subprocess.Popen(serve, env=env)
+    url = f"http://127.0.0.1:{ns.port}"
+    try:
+        t0 = time.time()
+        while True:
+            if server.poll() is not None:
+                sys.exit(f"server exited with {server.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() - t0 > 400:
+                sys.exit("server did not come up in 400 s")
+            time.sleep(1)
+        print(f"server up after {time.time() - t0:.0f} s", flush=True)
+        bench = [sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--model", ns.model, "--host", "127.0.0.1",
+                 "--port", str(ns.port), *ns.bench_flags.split(), "--percentile-metrics", "ttft,tpot,itl,e2el",
+                 "--metric-percentiles", "50,95,99", "--disable-tqdm", "--result-dir", ns.result_dir,
+                 "--result-filename", "online_seed.json"]
+        print("$", " ".join(bench[2:]), flush=True)
+        subprocess.run(bench, env=env, check=True)
+        r = json.loads((Path(ns.result_dir) / "online_seed.json").read_text())
+        peak = r.get("server_peak_device_memory_bytes", 0) / 2**30
+        print(f"p95 TTFT {r['p95_ttft_ms']:.1f} ms | p95 ITL {r['p95_itl_ms']:.2f} ms | median ITL {r['median_itl_ms']:.2f} ms"
+              f" | output {r['output_throughput']:.0f} tok/s | peak device memory {peak:.1f} GiB | preemptions "
+              f"{r.get('server_preemptions')} | failed {r['failed']}")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        print(f"server exit status after SIGTERM: {server.wait(timeout=120)}")
+
+
+if __name__ == "__main__":
+    main()
