@@ -278,13 +278,16 @@ class EngineArgs:
         )
 
     def _resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device not in ("cuda", "cpu"):
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name not in ("cuda", "cpu"):
             raise ConfigError(f"{flag('device')}: {self.device!r} is not one of auto, cuda, cpu.")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if name == "cpu":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
             raise ConfigError(f"{flag('device')}: cuda was asked for but torch sees no GPU; use --device cpu.")
-        return torch.device(self.device)
+        return torch.device("cuda", torch.cuda.current_device())
 
     def _resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         name = _DTYPE_ALIASES.get(self.dtype, self.dtype)
