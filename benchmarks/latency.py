@@ -90,8 +90,9 @@ def main() -> None:
     if gpu_ms is not None:
         print(f"GPU time of one decode step (bs=1 graph replay, context of the last request): {gpu_ms:.3f} ms")
         print(f"weights-only HBM floor at 4.3 TB/s: {w / 4.3e12 * 1000:.3f} ms")
-    print(f"host time per step (mean over {steps} steps): schedule {np.mean(phases['schedule']) * 1e3:.3f} ms, "
-          f"execute incl. GPU wait {np.mean(phases['execute']) * 1e3:.3f} ms, update+detokenize {upd.mean() * 1e3:.3f} ms")
+    print(f"per step (mean over {steps} steps): schedule {np.mean(phases['schedule']) * 1e3:.3f} ms, "
+          f"execute (host: inputs + launch) {np.mean(phases['execute']) * 1e3:.3f} ms, "
+          f"wait for the sampled token + update + detokenize {upd.mean() * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ class TritonAttentionBackend:
     name = "triton"
     TILE = 32
     PREFILL_ROWS = 64
+    NUM_WARPS = 4
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132):
         self.G = num_heads // num_kv_heads
@@ -205,7 +206,7 @@ class TritonAttentionBackend:
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
             G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
-            TILE=self.TILE, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs,
+            TILE=self.TILE, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, num_warps=self.NUM_WARPS,
         )
         if segs > 1:
             _merge_segments[(launch.tile_seq.shape[0], self.num_heads)](
