@@ -84,7 +84,9 @@ class ModelRunner:
     def _profile_run(self) -> tuple[int, int]:
         """One forward pass over a full token budget plus sampling, to measure the activation peak."""
         c = self.config
-        tokens, seqs = c.max_num_batched_tokens, min(c.max_num_seqs, c.max_num_batched_tokens)
+        tokens = c.max_num_batched_tokens
+        # as many dummy requests as the step may hold, but none longer than max_model_len
+        seqs = max(min(c.max_num_seqs, tokens), -(-tokens // c.max_model_len))
         lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
         blocks = [math.ceil(n / self.block_size) for n in lens]
         m = c.model
