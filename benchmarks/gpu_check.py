@@ -1,5 +1,6 @@
-"""Correctness on the GPU: the Triton kernels against the torch reference on real shapes (bf16), and
-the engine's greedy tokens with both backends.  python benchmarks/gpu_check.py"""
+"""Correctness on the GPU: the Triton attention path (fused q/k norm + rotary + K/V store, paged
+attention) against the torch reference on real shapes in bf16, and the engine's greedy tokens with both
+backends.  python benchmarks/gpu_check.py"""
 
 from __future__ import annotations
 
@@ -13,34 +14,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E402
-from tests.test_triton_attention import make_batch  # noqa: E402
-
-
-def kernel_check(heads, kv_heads, head_dim, block_size, query_lens, context_lens, dtype, kv_dtype=None, sms=132):
-    dev = torch.device("cuda")
-    rng = np.random.default_rng(0)
-    num_blocks = sum(-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens)) + 8
-    cache = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), device=dev).to(kv_dtype or dtype)
-    meta = make_batch(rng, query_lens, context_lens, block_size, num_blocks)
-    meta2 = AttentionMetadata(**{**meta.__dict__, "backend_state": None})
-    T = sum(query_lens)
-    q, k, v = (torch.randn((T, h, head_dim), device=dev, dtype=dtype) for h in (heads, kv_heads, kv_heads))
-    ref, tri = TorchAttentionBackend(), TritonAttentionBackend(heads, kv_heads, head_dim, sms)
-    ref.prepare(meta, block_size)
-    tri.prepare(meta2, block_size)
-    c1, c2 = cache.clone(), cache.clone()
-    want = ref.forward(q.float(), k.float(), v.float(), c1, meta, head_dim ** -0.5)
-    got = tri.forward(q, k, v, c2, meta2, head_dim ** -0.5).float()
-    out = torch.full_like(got, float("nan"))
-    out.copy_(got)
-    assert not torch.isnan(out).any(), "unwritten output"
-    return float((out - want).norm() / want.norm())
+from tests.test_triton_attention import compare  # noqa: E402
 
 
 def main() -> None:
-    rows = []
     cases = [
         ("Qwen3-8B decode x64, ctx 1-4k", 32, 8, 128, 16, [1] * 64, list(np.random.default_rng(1).integers(1, 4096, 64))),
         ("Qwen3-8B decode x1, ctx 1280 (split-KV)", 32, 8, 128, 16, [1], [1279]),
@@ -51,9 +28,10 @@ def main() -> None:
     ]
     for name, h, kvh, d, bs, ql, cl in cases:
         kv_dtype = torch.float8_e4m3fn if "fp8" in name else None
-        err = kernel_check(h, kvh, d, bs, ql, [int(c) for c in cl], torch.bfloat16, kv_dtype)
-        rows.append((name, err))
-        print(f"{name:<55} rel err {err:.2e} {'OK' if err < 2e-2 else 'FAIL'}", flush=True)
+        arch = "llama" if "Llama" in name else "qwen3"
+        err, cache_err = compare(arch, h, kvh, d, bs, ql, [int(c) for c in cl], torch.bfloat16, kv_dtype)
+        ok = err < 2e-2 and cache_err < 2e-2
+        print(f"{name:<55} rel err {err:.2e} (K/V cache {cache_err:.2e}) {'OK' if ok else 'FAIL'}", flush=True)
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {}

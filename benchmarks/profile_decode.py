@@ -16,7 +16,6 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.model.attention import AttentionMetadata  # noqa: E402
 from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E402
 from tests.test_triton_attention import make_batch  # noqa: E402
 
@@ -48,22 +47,19 @@ def attention_alone(name, heads, kv_heads, batch, ctx) -> None:
     nblocks = batch * (-(-(ctx + 1) // bs)) + 4
     cache = torch.randn((2, nblocks, bs, kv_heads, d), device=dev, dtype=torch.bfloat16)
     q = torch.randn((batch, heads, d), device=dev, dtype=torch.bfloat16)
-    k = torch.randn((batch, kv_heads, d), device=dev, dtype=torch.bfloat16)
     kv_bytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
-    for tile in (32, 64, 128):
-        for warps in (4, 8):
+    for tile in (32, 64):
+        for warps in (4,):
             be = TritonAttentionBackend(heads, kv_heads, d, torch.cuda.get_device_properties(dev).multi_processor_count)
             be.TILE, be.NUM_WARPS = tile, warps
-            meta = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
+            meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
             be.prepare(meta, bs)
-            ms = triton.testing.do_bench(lambda: be.forward(q, k, k, cache, meta, d ** -0.5), rep=200)
+            ms = triton.testing.do_bench(lambda: be.attend(q, cache, meta, d ** -0.5), rep=200)
             print(f"{name}: TILE {tile:3d} warps {warps}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s "
                   f"(segments {meta.backend_state.decode.num_segments})")
 
 
 if __name__ == "__main__":
-    attention_alone("Qwen3-8B bs=1 ctx 1280", 32, 8, 1, 1280)
     attention_alone("Qwen3-0.6B bs=256 ctx 800", 16, 8, 256, 800)
-    attention_alone("Qwen3-8B bs=128 ctx 1536", 32, 8, 128, 1536)
     profile_step("Qwen/Qwen3-8B", 1, 1024)
     profile_step("Qwen/Qwen3-0.6B", 256, 800)

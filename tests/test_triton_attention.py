@@ -1,6 +1,6 @@
-"""The Triton paged-attention kernels against the torch reference backend, on mixed batches of decodes
-and prefill chunks with cached context (GQA, several block sizes, split-KV decode). On CPU they run
-under TRITON_INTERPRET=1 (set in conftest.py)."""
+"""The Triton attention path (fused norms/rotary/K-V store + paged attention) against the torch
+reference, on mixed batches of decodes and prefill chunks with cached context: GQA, Qwen3's q/k norms,
+several block sizes, split-KV decode. On CPU the kernels run under TRITON_INTERPRET=1 (conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from pagedserve.config import ModelConfig  # noqa: E402
 from pagedserve.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from pagedserve.model.decoder import Attention  # noqa: E402
+from pagedserve.model.layers import RotaryEmbedding  # noqa: E402
 from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -21,52 +24,74 @@ def make_batch(rng, query_lens, context_lens, block_size, num_blocks):
     free = list(rng.permutation(num_blocks))
     tables, slots = [], []
     for q, c in zip(query_lens, context_lens):
-        n_blocks = -(-(q + c) // block_size)
-        table = [int(free.pop()) for _ in range(n_blocks)]
+        table = [int(free.pop()) for _ in range(-(-(q + c) // block_size))]
         tables.append(table)
         pos = np.arange(c, c + q)
         slots.append(np.asarray(table)[pos // block_size] * block_size + pos % block_size)
-    width = max(len(t) for t in tables)
-    bt = np.zeros((len(tables), width), dtype=np.int32)
+    bt = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
     for i, t in enumerate(tables):
         bt[i, :len(t)] = t
     starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     seq_lens = np.asarray(query_lens) + np.asarray(context_lens)
-    return AttentionMetadata(
+    positions = np.concatenate([np.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
+    meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slots)).to(DEV),
         query_start_loc=torch.from_numpy(starts).to(DEV),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(DEV),
         block_tables=torch.from_numpy(bt).to(DEV),
         max_query_len=int(max(query_lens)), max_seq_len=int(seq_lens.max()),
         query_lens_cpu=np.asarray(query_lens))
+    return meta, torch.from_numpy(positions).to(DEV)
 
 
-@pytest.mark.parametrize("block_size, heads, kv_heads, sms", [(16, 4, 2, 132), (8, 8, 2, 100000), (32, 2, 2, 132)])
-def test_triton_matches_reference_on_mixed_batches(block_size, heads, kv_heads, sms):
+def attention_pair(model_type, heads, kv_heads, head_dim, dtype, sms=132):
+    """The same attention layer (same weights) on the torch and the Triton backend."""
+    cfg = ModelConfig.from_hf_dict(dict(
+        model_type=model_type, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=64,
+        max_position_embeddings=8192, rope_theta=1e6))
+    rotary = RotaryEmbedding(cfg, 8192).to(DEV)
+    ref = Attention(cfg, rotary, TorchAttentionBackend()).to(DEV, dtype)
+    tri = Attention(cfg, rotary, TritonAttentionBackend(heads, kv_heads, head_dim, sms)).to(DEV, dtype)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5 if p.ndim > 1 else 1.0)
+    tri.load_state_dict(ref.state_dict())
+    rotary.cos, rotary.sin = rotary.cos.float(), rotary.sin.float()
+    return ref, tri
+
+
+def compare(model_type, heads, kv_heads, head_dim, block_size, query_lens, context_lens, dtype=torch.float32,
+            kv_dtype=None, sms=132, segmented=False):
     rng = np.random.default_rng(block_size + heads)
     torch.manual_seed(block_size)
-    head_dim = 16
-    query_lens = [1, 1, 37, 1, 5]       # decodes, a prefill chunk, a short chunk
-    context_lens = [70, 3, 20, 130, 0]  # keys already in the cache before this step
-    num_blocks = 64
-    cache = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), device=DEV)
-    meta_ref = make_batch(rng, query_lens, context_lens, block_size, num_blocks)
+    num_blocks = sum(-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens)) + 4
+    ref, tri = attention_pair(model_type, heads, kv_heads, head_dim, dtype, sms)
+    cache = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), device=DEV).to(kv_dtype or dtype)
+    meta_ref, positions = make_batch(rng, query_lens, context_lens, block_size, num_blocks)
     meta_tri = AttentionMetadata(**{**meta_ref.__dict__, "backend_state": None})
-    T = sum(query_lens)
-    q = torch.randn((T, heads, head_dim), device=DEV)
-    k = torch.randn((T, kv_heads, head_dim), device=DEV)
-    v = torch.randn((T, kv_heads, head_dim), device=DEV)
-    ref_cache, tri_cache = cache.clone(), cache.clone()
-    ref, tri = TorchAttentionBackend(), TritonAttentionBackend(heads, kv_heads, head_dim, num_sms=sms)
-    ref.prepare(meta_ref, block_size)
-    tri.prepare(meta_tri, block_size)
-    if sms > 1000:
+    ref.backend.prepare(meta_ref, block_size)
+    tri.backend.prepare(meta_tri, block_size)
+    if segmented:
         assert meta_tri.backend_state.decode.num_segments > 1  # the split-KV path is exercised
-    want = ref.forward(q, k, v, ref_cache, meta_ref, head_dim ** -0.5)
-    got = tri.forward(q, k, v, tri_cache, meta_tri, head_dim ** -0.5)
-    assert torch.equal(ref_cache, tri_cache)  # the same K/V writes
-    err = (got - want).norm() / want.norm()
-    assert err < 1e-4, float(err)
+    x = torch.randn((sum(query_lens), heads * head_dim), device=DEV, dtype=dtype)
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    with torch.no_grad():
+        want = ref(positions, x, ref_cache, meta_ref).float()
+        got = tri(positions, x, tri_cache, meta_tri).float()
+    cache_err = (tri_cache.float() - ref_cache.float()).norm() / ref_cache.float().norm()
+    return float((got - want).norm() / want.norm()), float(cache_err)
+
+
+@pytest.mark.parametrize("model_type, block_size, heads, kv_heads, sms", [
+    ("llama", 16, 4, 2, 132), ("qwen3", 8, 8, 2, 100000), ("qwen3", 32, 2, 2, 132)])
+def test_triton_matches_reference_on_mixed_batches(model_type, block_size, heads, kv_heads, sms):
+    # decodes, a prefill chunk after cached context, a short chunk, a fresh prompt
+    segmented = sms > 1000  # so many SMs to fill that long decodes are split over segments
+    contexts = [700, 3, 20, 530, 0] if segmented else [70, 3, 20, 130, 0]
+    err, cache_err = compare(model_type, heads, kv_heads, 16, block_size, [1, 1, 37, 1, 5], contexts,
+                             sms=sms, segmented=segmented)
+    assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
 
 
 def test_engine_with_triton_backend_matches_torch_backend():

@@ -42,9 +42,10 @@ class AttentionBackend(Protocol):
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Precompute per-step state (index tensors, masks) into ``meta.backend_state``."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D]. Writes k/v into ``kv_cache``, returns [T, Hq, D]."""
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, layer, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """From the layer's fused q/k/v projection [T, (Hq + 2 Hkv) D] to the attention output [T, Hq, D]:
+        q/k norms and rotary as ``layer.split_qkv`` does them, K/V written into ``kv_cache`` first."""
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -112,8 +113,12 @@ class TorchAttentionBackend:
         mask = mask | ~query_valid[:, :, None]  # padded rows attend to something: no NaN rows
         meta.backend_state = _TorchState(key_slots, query_index, query_valid, mask.unsqueeze(1))
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, qkv, positions, layer, kv_cache, meta):
+        q, k, v = layer.split_qkv(qkv, positions)
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, layer.scale)
+
+    def attend(self, q, kv_cache, meta, scale):
         st: _TorchState = meta.backend_state
         keys, values = gather_kv(kv_cache, st.key_slots, q.dtype)     # [B, S, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)

@@ -42,15 +42,19 @@ class Attention(nn.Module):
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
+    def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor):
+        """The reference path from the fused projection to rotated q, k and v (fused kernels match it)."""
+        q, k, v = qkv.split(self.shard_sizes(), dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return q, k, v
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+        out = self.backend.forward(self.qkv_proj(x), positions, self, kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.config import ModelConfig
+from pagedserve.model import fused
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +20,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise ``x`` (or ``x + residual``); with a residual, also return the new residual."""
+        if x.is_cuda:
+            return fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -80,5 +83,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if x.is_cuda:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

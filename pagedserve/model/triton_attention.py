@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.model.attention import AttentionMetadata, write_kv
+from pagedserve.model.attention import AttentionMetadata
+from pagedserve.model.fused import qkv_rope_store
 
 
 @triton.jit
@@ -186,8 +187,16 @@ class TritonAttentionBackend:
         segs = self.decode_segments(len(decode_seqs), meta.max_seq_len) if len(decode_seqs) else 1
         meta.backend_state = self.make_state(meta.seq_lens.device, decode_seqs, prefill_tiles, segs)
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+    def forward(self, qkv, positions, layer, kv_cache, meta):
+        """One fused kernel for norms + rotary + K/V store, then the attention kernel(s)."""
+        q = qkv_rope_store(qkv, positions, layer.rotary.cos, layer.rotary.sin,
+                           layer.q_norm.weight if layer.qk_norm else None,
+                           layer.k_norm.weight if layer.qk_norm else None,
+                           layer.q_norm.eps if layer.qk_norm else 0.0, meta.slot_mapping, kv_cache,
+                           self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.attend(q, kv_cache, meta, layer.scale)
+
+    def attend(self, q, kv_cache, meta, scale):
         st: TritonState = meta.backend_state
         out = torch.empty_like(q)
         for launch in (st.decode, st.prefill):
