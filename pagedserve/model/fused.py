@@ -70,44 +70,65 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _qkv_rope_store(QKV, Pos, Cos, Sin, QW, KW, Slots, KV, QOut,
-                    stride_t, stride_cos, stride_kvkv, stride_slot, stride_kvh, stride_qt, stride_qh, eps,
-                    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)  # 0..NUM_Q-1: a query head; NUM_Q..: a key head and its value head
-    half = tl.arange(0, HEAD_DIM // 2)
-    pos = tl.load(Pos + t)
-    cos = tl.load(Cos + pos * stride_cos + half)
-    sin = tl.load(Sin + pos * stride_cos + half)
-    is_q = h < NUM_Q
-    col = tl.where(is_q, h * HEAD_DIM, NUM_Q * HEAD_DIM + (h - NUM_Q) * HEAD_DIM)
-    x1 = tl.load(QKV + t * stride_t + col + half)
-    x2 = tl.load(QKV + t * stride_t + col + HEAD_DIM // 2 + half)
+def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """Rows of head halves [H, D/2]: optional RMSNorm over the head (rounded like the torch path), then
+    neox rotary; returns the rotated halves in float32."""
     dtype = x1.dtype
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     if QK_NORM:
-        inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / HEAD_DIM + eps)
-        wq = tl.where(is_q, 1.0, 0.0)
-        w1 = (tl.load(QW + half) * wq + tl.load(KW + half) * (1.0 - wq)).to(dtype)
-        w2 = (tl.load(QW + HEAD_DIM // 2 + half) * wq + tl.load(KW + HEAD_DIM // 2 + half) * (1.0 - wq)).to(dtype)
-        f1 = ((f1 * inv).to(dtype) * w1).to(tl.float32)
-        f2 = ((f2 * inv).to(dtype) * w2).to(tl.float32)
-    o1 = f1 * cos - f2 * sin
-    o2 = f2 * cos + f1 * sin
-    if is_q:
-        base = QOut + t * stride_qt + h * stride_qh
-        tl.store(base + half, o1.to(dtype))
-        tl.store(base + HEAD_DIM // 2 + half, o2.to(dtype))
-    else:
-        kvh = h - NUM_Q
-        slot = tl.load(Slots + t)
-        kbase = KV + slot * stride_slot + kvh * stride_kvh
-        tl.store(kbase + half, o1.to(KV.dtype.element_ty))
-        tl.store(kbase + HEAD_DIM // 2 + half, o2.to(KV.dtype.element_ty))
-        vcol = (NUM_Q + NUM_KV) * HEAD_DIM + kvh * HEAD_DIM
-        d = tl.arange(0, HEAD_DIM)
-        v = tl.load(QKV + t * stride_t + vcol + d)
-        tl.store(KV + stride_kvkv + slot * stride_slot + kvh * stride_kvh + d, v.to(KV.dtype.element_ty))
+        inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM + eps)
+        f1 = ((f1 * inv[:, None]).to(dtype) * w1[None, :]).to(tl.float32)
+        f2 = ((f2 * inv[:, None]).to(dtype) * w2[None, :]).to(tl.float32)
+    return f1 * cos[None, :] - f2 * sin[None, :], f2 * cos[None, :] + f1 * sin[None, :]
+
+
+@triton.jit
+def _qkv_rope_store(QKV, Pos, Cos, Sin, QW, KW, Slots, KV, QOut,
+                    stride_t, stride_cos, stride_kvkv, stride_slot, stride_kvh, stride_qt, stride_qh, eps,
+                    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, Q_POW2: tl.constexpr, KV_POW2: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """One program per token: all its query heads, key heads and value heads."""
+    t = tl.program_id(0)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    half = tl.arange(0, HALF)
+    pos = tl.load(Pos + t)
+    cos = tl.load(Cos + pos * stride_cos + half)
+    sin = tl.load(Sin + pos * stride_cos + half)
+    row = QKV + t * stride_t
+    dtype = QOut.dtype.element_ty
+
+    hq = tl.arange(0, Q_POW2)
+    mq = (hq < NUM_Q)[:, None]
+    q1 = tl.load(row + hq[:, None] * HEAD_DIM + half[None, :], mask=mq, other=0.0)
+    q2 = tl.load(row + hq[:, None] * HEAD_DIM + HALF + half[None, :], mask=mq, other=0.0)
+    if QK_NORM:
+        qw1 = tl.load(QW + half).to(dtype)
+        qw2 = tl.load(QW + HALF + half).to(dtype)
+        kw1 = tl.load(KW + half).to(dtype)
+        kw2 = tl.load(KW + HALF + half).to(dtype)
+    else:  # unused by _norm_rope without the norm
+        qw1 = cos
+        qw2 = cos
+        kw1 = cos
+        kw2 = cos
+    o1, o2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, HEAD_DIM, QK_NORM)
+    qbase = QOut + t * stride_qt + hq[:, None] * stride_qh
+    tl.store(qbase + half[None, :], o1.to(dtype), mask=mq)
+    tl.store(qbase + HALF + half[None, :], o2.to(dtype), mask=mq)
+
+    hk = tl.arange(0, KV_POW2)
+    mk = (hk < NUM_KV)[:, None]
+    kcol = row + NUM_Q * HEAD_DIM + hk[:, None] * HEAD_DIM
+    k1 = tl.load(kcol + half[None, :], mask=mk, other=0.0)
+    k2 = tl.load(kcol + HALF + half[None, :], mask=mk, other=0.0)
+    o1, o2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, eps, HEAD_DIM, QK_NORM)
+    slot = tl.load(Slots + t).to(tl.int64)
+    kbase = KV + slot * stride_slot + hk[:, None] * stride_kvh
+    tl.store(kbase + half[None, :], o1.to(KV.dtype.element_ty), mask=mk)
+    tl.store(kbase + HALF + half[None, :], o2.to(KV.dtype.element_ty), mask=mk)
+    d = tl.arange(0, HEAD_DIM)
+    v = tl.load(row + (NUM_Q + NUM_KV) * HEAD_DIM + hk[:, None] * HEAD_DIM + d[None, :], mask=mk, other=0.0)
+    tl.store(kbase + stride_kvkv + d[None, :], v.to(KV.dtype.element_ty), mask=mk)
 
 
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -119,9 +140,10 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     q = torch.empty((T, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     dummy = cos
-    _qkv_rope_store[(T, num_heads + num_kv_heads)](
+    _qkv_rope_store[(T,)](
         qkv, positions, cos, sin, q_norm if q_norm is not None else dummy, k_norm if k_norm is not None else dummy,
         slot_mapping, flat, q, qkv.stride(0), cos.stride(0), flat.stride(0), flat.stride(1), flat.stride(2),
-        q.stride(0), q.stride(1), eps, NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim,
-        QK_NORM=q_norm is not None)
+        q.stride(0), q.stride(1), eps, NUM_Q=num_heads, NUM_KV=num_kv_heads,
+        Q_POW2=triton.next_power_of_2(num_heads), KV_POW2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, QK_NORM=q_norm is not None)
     return q
