@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from pagedserve.tune.cli import add_tune_parsers
+
+    add_tune_parsers(sub)
     return parser
 
 

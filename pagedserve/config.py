@@ -212,19 +212,22 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
-    def create_config(self) -> "EngineConfig":
-        """Resolve every default and validate every value; the one place config errors come from."""
+    def create_config(self, plan_for: str | None = None) -> "EngineConfig":
+        """Resolve every default and validate every value; the one place config errors come from.
+        ``plan_for="cuda"`` resolves as the engine would on a GPU that this machine need not have (the
+        planner's case; weights are never read then)."""
         if self.load_format not in _LOAD_FORMATS:
             raise ConfigError(f"{flag('load_format')}: {self.load_format!r} is not one of {', '.join(_LOAD_FORMATS)}.")
-        source = resolve_model(self.model, self.load_format)
+        source = resolve_model(self.model, "dummy" if plan_for else self.load_format)
         model_config = ModelConfig.from_hf_dict(source.hf_config)
 
-        device = self._resolve_device()
+        device = torch.device(plan_for) if plan_for else self._resolve_device()
         dtype = self._resolve_dtype(model_config, device)
         kv_dtype = self._resolve_kv_dtype(dtype)
 
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(f"{flag('tensor_parallel_size')}: only 1 is supported in this release.")
+        if self.tensor_parallel_size < 1 or model_config.num_heads % self.tensor_parallel_size:
+            raise ConfigError(f"{flag('tensor_parallel_size')}: {self.tensor_parallel_size} must be >= 1 and divide "
+                              f"the {model_config.num_heads} attention heads.")
         if self.block_size not in _BLOCK_SIZES:
             raise ConfigError(f"{flag('block_size')}: {self.block_size} is not one of {_BLOCK_SIZES}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -266,7 +269,7 @@ class EngineArgs:
         kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if kv_cache_memory is not None and kv_cache_memory <= 0:
             raise ConfigError(f"{flag('kv_cache_memory')}: {kv_cache_memory} must be positive.")
-        if kv_cache_memory is None and not on_cuda and self.num_gpu_blocks_override is None:
+        if kv_cache_memory is None and device.type == "cpu" and self.num_gpu_blocks_override is None:
             kv_cache_memory = 2**30
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
             raise ConfigError(f"{flag('num_gpu_blocks_override')}: must be positive.")

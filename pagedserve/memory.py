@@ -91,6 +91,37 @@ class MemoryBudget:
         tokens = tokens_per_request or self.max_model_len
         return self.num_blocks / math.ceil(tokens / self.block_size)
 
+    def failures(self) -> list[str]:
+        """Why this budget would not start, in the order the engine checks (empty: it starts)."""
+        if self.kv_source == "gpu_memory_utilization":
+            if self.weights > self.requested:
+                need = self.weights / self.device_total
+                return [f"Model weights need {fmt_bytes(self.weights)} but the budget is only {fmt_bytes(self.requested)} "
+                        f"(--gpu-memory-utilization {self.utilization} of {fmt_bytes(self.device_total)}). The weights "
+                        f"alone need a utilization above {need:.2f}" + (" (more than the device has)" if need >= 1 else "")
+                        + ": use a smaller --dtype, shard with --tensor-parallel-size, or pick a smaller model."]
+            if self.kv_cache_bytes < self.bytes_per_block:
+                return [f"No memory left for the KV cache: weights {fmt_bytes(self.weights)} + activation peak "
+                        f"{fmt_bytes(self.activation_peak)} + non-torch {fmt_bytes(self.non_torch)} leave "
+                        f"{fmt_bytes(self.kv_cache_bytes)} of the {fmt_bytes(self.requested)} budget. Lower "
+                        f"--max-num-batched-tokens (the activation peak grows with it) or raise --gpu-memory-utilization."]
+        need_blocks = math.ceil(self.max_model_len / self.block_size)
+        if self.num_blocks < need_blocks:
+            fits = self.num_blocks * self.block_size
+            return [f"The KV cache holds {fits:,} tokens ({self.num_blocks:,} blocks of {self.block_size}, "
+                    f"{fmt_bytes(self.kv_cache_bytes)}), but one request of max_model_len={self.max_model_len:,} needs "
+                    f"{need_blocks:,} blocks ({fmt_bytes(need_blocks * self.bytes_per_block)}). Lower --max-model-len "
+                    f"to at most {fits:,}, or give the cache more memory (--gpu-memory-utilization / "
+                    f"--kv-cache-memory), or halve its size per token with --kv-cache-dtype fp8."]
+        return []
+
+    def check(self) -> "MemoryBudget":
+        """Raise ``ConfigError`` (numbers and the flag to change) if this budget cannot start."""
+        problems = self.failures()
+        if problems:
+            raise ConfigError(problems[0])
+        return self
+
     def report_lines(self) -> list[str]:
         lines = []
         if self.device_total is not None:
@@ -111,44 +142,17 @@ def compute_budget(*, model: ModelConfig, kv_dtype: torch.dtype, block_size: int
                    weights: int, activation_peak: int, non_torch: int = 0, device_total: int | None = None,
                    utilization: float | None = None, kv_cache_memory: int | None = None,
                    num_blocks_override: int | None = None, tp: int = 1) -> MemoryBudget:
-    """Split the memory and check the two start-up failure modes; raise ``ConfigError`` naming numbers
-    and the flag to change."""
+    """Split the memory (no checks: ``MemoryBudget.failures`` says what would not start)."""
     per_token = kv_bytes_per_token(model, kv_dtype, tp)
     per_block = per_token * block_size
     if num_blocks_override is not None:
         source, kv_bytes = "num_gpu_blocks_override", num_blocks_override * per_block
     elif kv_cache_memory is not None:
         source, kv_bytes = "kv_cache_memory", kv_cache_memory
+    elif device_total is None or utilization is None:
+        raise ConfigError("The KV cache size needs --kv-cache-memory (bytes) or --num-gpu-blocks-override on CPU.")
     else:
-        if device_total is None or utilization is None:
-            raise ConfigError("The KV cache size needs --kv-cache-memory (bytes) or --num-gpu-blocks-override on CPU.")
         source = "gpu_memory_utilization"
-        requested = int(device_total * utilization)
-        if weights > requested:
-            need = weights / device_total
-            raise ConfigError(
-                f"Model weights need {weights / GiB:.2f} GiB but the budget is only {requested / GiB:.2f} GiB "
-                f"(--gpu-memory-utilization {utilization} of {device_total / GiB:.2f} GiB). The weights alone "
-                f"need a utilization above {need:.2f}"
-                + (" (more than the device has)" if need >= 1 else "")
-                + ": use a smaller --dtype, shard with --tensor-parallel-size, or pick a smaller model.")
-        kv_bytes = requested - weights - activation_peak - non_torch
-        if kv_bytes < per_block:
-            raise ConfigError(
-                f"No memory left for the KV cache: weights {weights / GiB:.2f} GiB + activation peak "
-                f"{activation_peak / GiB:.2f} GiB + non-torch {non_torch / GiB:.2f} GiB leave "
-                f"{kv_bytes / GiB:.2f} GiB of the {requested / GiB:.2f} GiB budget. Lower "
-                f"--max-num-batched-tokens (the activation peak grows with it) or raise --gpu-memory-utilization.")
-    num_blocks = kv_bytes // per_block
-    budget = MemoryBudget(source, device_total, utilization, weights, activation_peak, non_torch, kv_bytes,
-                          per_token, block_size, num_blocks, max_model_len)
-    need_blocks = math.ceil(max_model_len / block_size)
-    if num_blocks < need_blocks:
-        fits = num_blocks * block_size
-        raise ConfigError(
-            f"The KV cache holds {fits:,} tokens ({num_blocks:,} blocks of {block_size}, "
-            f"{kv_bytes / GiB:.2f} GiB), but one request of max_model_len={max_model_len:,} needs "
-            f"{need_blocks:,} blocks ({need_blocks * per_block / GiB:.2f} GiB). Lower --max-model-len to at "
-            f"most {fits:,}, or give the cache more memory (--gpu-memory-utilization / --kv-cache-memory), "
-            f"or halve its size per token with --kv-cache-dtype fp8.")
-    return budget
+        kv_bytes = int(device_total * utilization) - weights - activation_peak - non_torch
+    return MemoryBudget(source, device_total, utilization, weights, activation_peak, non_torch, kv_bytes,
+                        per_token, block_size, max(0, kv_bytes // per_block), max_model_len)

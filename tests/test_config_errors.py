@@ -34,13 +34,14 @@ def config_error(**kwargs) -> str:
     (dict(load_format="pickle"), ["--load-format"]),
     (dict(model="no/such-model"), ["--model", "no/such-model"]),
     (dict(model="Qwen/Qwen3-8B"), ["--load-format dummy"]),
-    (dict(tensor_parallel_size=2), ["--tensor-parallel-size"]),
+    (dict(tensor_parallel_size=3), ["--tensor-parallel-size", "3"]),
     (dict(device="tpu"), ["--device"]),
-    (dict(attention_backend="magic", load_format="dummy"), None),
+    (dict(attention_backend="magic", load_format="dummy"), "--attention-backend"),
+    (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
 ])
 def test_bad_engine_args(kwargs, fragments):
-    if fragments is None:  # rejected when the runner is built
-        with pytest.raises(ConfigError, match="--attention-backend"):
+    if isinstance(fragments, str):  # rejected when the runner is built
+        with pytest.raises(ConfigError, match=fragments):
             LLM(**kwargs, kv_cache_memory="1MiB")
         return
     msg = config_error(**kwargs)
@@ -66,7 +67,7 @@ QWEN3_8B = ModelConfig.from_hf_dict(KNOWN_MODELS["Qwen/Qwen3-8B"])
 def test_weights_do_not_fit():
     with pytest.raises(ConfigError) as e:
         compute_budget(model=QWEN3_8B, kv_dtype=torch.bfloat16, block_size=16, max_model_len=8192,
-                       weights=16 * GiB, activation_peak=GiB, device_total=24 * GiB, utilization=0.5)
+                       weights=16 * GiB, activation_peak=GiB, device_total=24 * GiB, utilization=0.5).check()
     msg = str(e.value)
     assert "16.00 GiB" in msg and "12.00 GiB" in msg and "--gpu-memory-utilization" in msg and "0.67" in msg
 
@@ -74,14 +75,14 @@ def test_weights_do_not_fit():
 def test_no_room_left_for_kv_cache():
     with pytest.raises(ConfigError) as e:
         compute_budget(model=QWEN3_8B, kv_dtype=torch.bfloat16, block_size=16, max_model_len=8192,
-                       weights=16 * GiB, activation_peak=4 * GiB, device_total=24 * GiB, utilization=0.8)
+                       weights=16 * GiB, activation_peak=4 * GiB, device_total=24 * GiB, utilization=0.8).check()
     assert "--max-num-batched-tokens" in str(e.value) and "No memory left for the KV cache" in str(e.value)
 
 
 def test_budget_arithmetic():
     b = compute_budget(model=QWEN3_8B, kv_dtype=torch.bfloat16, block_size=16, max_model_len=8192,
                        weights=16 * GiB, activation_peak=2 * GiB, non_torch=GiB, device_total=100 * GiB,
-                       utilization=0.9)
+                       utilization=0.9).check()
     per_token = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads, head_dim 128, bf16
     assert b.bytes_per_token == per_token == 147456
     assert b.kv_cache_bytes == int(100 * GiB * 0.9) - 19 * GiB

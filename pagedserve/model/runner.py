@@ -23,8 +23,17 @@ from pagedserve.model.sampler import SamplerOutput, SamplingBatch, sample
 logger = logging.getLogger(__name__)
 
 
+def decode_graph_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph (the planner counts them too)."""
+    top = min(max_num_seqs, 512)
+    return sorted({b for b in [1, 2, 4, 8, *range(16, top + 1, 16)] if b <= top} | {top})
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
+        if config.args.tensor_parallel_size != 1:
+            raise ConfigError("--tensor-parallel-size: the engine runs on one device in this release "
+                              "(`pagedserve plan --tensor-parallel-size N` sizes a sharded deployment).")
         self.config = config
         self.device = config.device
         self.block_size = config.block_size
@@ -75,10 +84,10 @@ class ModelRunner:
                       kv_cache_memory=c.kv_cache_memory, num_blocks_override=c.args.num_gpu_blocks_override)
         if self.device.type != "cuda":
             peak = activation_peak_estimate(c.model, c.max_num_batched_tokens, c.max_num_seqs, c.dtype)
-            return compute_budget(**common, activation_peak=peak)
+            return compute_budget(**common, activation_peak=peak).check()
         peak, non_torch = self._profile_run()
         return compute_budget(**common, activation_peak=peak, non_torch=non_torch,
-                              device_total=self._device_total, utilization=c.args.gpu_memory_utilization)
+                              device_total=self._device_total, utilization=c.args.gpu_memory_utilization).check()
 
     @torch.inference_mode()
     def _profile_run(self) -> tuple[int, int]:
@@ -123,16 +132,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs for decode
 
-    def graph_sizes(self) -> list[int]:
-        top = min(self.config.max_num_seqs, 512)
-        return sorted({b for b in [1, 2, 4, 8, *range(16, top + 1, 16)] if b <= top} | {top})
-
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
         """One graph per decode batch size; a step of B decodes replays the smallest graph >= B with
         the extra rows padded (sequence length 0, K/V written to the trash slot)."""
         t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
-        sizes = self.graph_sizes()
+        sizes = decode_graph_sizes(self.config.max_num_seqs)
         top, dev = sizes[-1], self.device
         width = self.config.blocks_per_max_len_request
         self._static = {

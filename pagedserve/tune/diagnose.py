@@ -1,0 +1,132 @@
+"""``pagedserve diagnose``: read a running server's /metrics (ours or vLLM's) over a short window and
+name which of the seed document's three situations applies, with the first parameter to change.
+
+1. start-up failure: the server is not up (weights or the parallel configuration do not fit);
+2. KV-cache / context pressure: preemptions, or the KV cache (nearly) full;
+3. latency rising with memory not full: requests queue at the sequence cap, wait on the token budget,
+   or decode slows with no queue (CPU scheduling / batch too large for the ITL target).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+KV_FULL = 0.90          # KV usage above this is pressure (gateways use 0.8-0.9)
+RISING = 1.5            # second-half mean latency over first-half mean that counts as "rising"
+
+_NAMES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    "vllm:time_to_first_token_seconds_count": "ttft_count",
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+    "vllm:time_per_output_token_seconds_sum": "itl_sum",
+    "vllm:time_per_output_token_seconds_count": "itl_count",
+    "vllm:request_queue_time_seconds_sum": "queue_sum",
+    "vllm:request_queue_time_seconds_count": "queue_count",
+}
+
+
+def parse_sample(text: str, t: float) -> dict[str, float]:
+    """The metrics diagnose reads from one scrape, summed over label sets, with its time."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {"t": t}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = _NAMES.get(s.name)
+            if key is not None:
+                values[key] = values.get(key, 0.0) + s.value
+    return values
+
+
+@dataclass
+class Diagnosis:
+    situation: int | None          # 1, 2, 3 as in the module docstring; None: healthy
+    title: str
+    first_change: str
+    evidence: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        head = f"Situation {self.situation}: {self.title}" if self.situation else self.title
+        return "\n".join([head, *[f"  - {e}" for e in self.evidence], f"First change: {self.first_change}"])
+
+
+def _mean(samples, key_sum, key_count) -> float | None:
+    if len(samples) < 2 or key_count not in samples[-1] or key_count not in samples[0]:
+        return None
+    n = samples[-1][key_count] - samples[0][key_count]
+    return (samples[-1][key_sum] - samples[0][key_sum]) / n if n > 0 else None
+
+
+def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None) -> Diagnosis:
+    """Classify a window of scrapes (oldest first). An empty list means the server could not be read."""
+    if not samples:
+        return Diagnosis(1, "start-up failure: the server does not answer /metrics",
+                         "read the server's start-up log: it names the memory that did not fit; run "
+                         "`pagedserve plan MODEL --gpu ...` with the same flags to see the budget before starting",
+                         ["no metrics could be scraped"])
+    first, last = samples[0], samples[-1]
+    preempted = last.get("preemptions", 0.0) - first.get("preemptions", 0.0)
+    kv_peak = max(s.get("kv_usage", 0.0) for s in samples)
+    waiting_peak = max(s.get("waiting", 0.0) for s in samples)
+    running_peak = max(s.get("running", 0.0) for s in samples)
+    half = len(samples) // 2
+    early, late = samples[: half + 1], samples[half:]
+    ttft_early, ttft_late = _mean(early, "ttft_sum", "ttft_count"), _mean(late, "ttft_sum", "ttft_count")
+    itl_early, itl_late = _mean(early, "itl_sum", "itl_count"), _mean(late, "itl_sum", "itl_count")
+    queue = _mean(samples, "queue_sum", "queue_count")
+    evidence = [f"window {last['t'] - first['t']:.1f} s, {len(samples)} scrapes",
+                f"preemptions in the window: {preempted:.0f}; peak KV-cache usage {100 * kv_peak:.1f} %",
+                f"peak running {running_peak:.0f}, peak waiting {waiting_peak:.0f}"]
+    for name, a, b in (("TTFT", ttft_early, ttft_late), ("ITL", itl_early, itl_late)):
+        if a is not None and b is not None:
+            evidence.append(f"mean {name} {1000 * a:.1f} ms -> {1000 * b:.1f} ms (first half -> second half)")
+    if queue is not None:
+        evidence.append(f"mean queue time {1000 * queue:.1f} ms")
+
+    if preempted > 0 or kv_peak >= KV_FULL:
+        return Diagnosis(2, "KV-cache / context pressure (the kind that ends in OOM or preemption storms)",
+                         "lower --max-num-seqs (or --max-model-len, or cap input tokens at the entrance); "
+                         "--kv-cache-dtype fp8 doubles the cache after a quality check. Do not just raise "
+                         "--gpu-memory-utilization: it takes the headroom CUDA workspaces need.", evidence)
+    rising = any(a is not None and b is not None and b > RISING * a and b > 0.05
+                 for a, b in ((ttft_early, ttft_late), (itl_early, itl_late)))
+    if waiting_peak > 0 or rising:
+        at_cap = max_num_seqs is not None and running_peak >= max_num_seqs
+        if waiting_peak > 0 and (at_cap or max_num_seqs is None):
+            change = ("raise --max-num-seqs (memory is not full), or shed load at the entrance "
+                      "(--max-num-queued-reqs) if ITL must stay low")
+            why = "requests queue at the sequence cap while memory is free"
+        elif waiting_peak > 0:
+            change = "raise --max-num-batched-tokens: requests wait for the step's token budget, not for memory"
+            why = "requests wait below the sequence cap: the token budget is the bound"
+        else:
+            change = ("lower --max-num-batched-tokens to protect decode ITL from long prefills, then check the "
+                      "host: a slow scheduler step shows as ITL rising with no queue")
+            why = "latency rises with no queue and memory free: batch token budget or CPU scheduling"
+        return Diagnosis(3, f"latency rising with memory not full ({why})", change, evidence)
+    return Diagnosis(None, "Healthy: no preemptions, KV cache below 90 %, no queue, latency flat",
+                     "nothing; to find the headroom run the concurrency ladder", evidence)
+
+
+def scrape_window(url: str, seconds: float, interval: float = 1.0) -> list[dict[str, float]]:
+    import httpx
+
+    samples = []
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            r = httpx.get(url.rstrip("/") + "/metrics", timeout=5)
+            if r.status_code == 200:
+                samples.append(parse_sample(r.text, time.monotonic()))
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() >= end:
+            return samples
+        time.sleep(interval)

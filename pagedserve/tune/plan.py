@@ -1,0 +1,132 @@
+"""``pagedserve plan``: the start-up memory budget without a GPU, with the engine's own formulas.
+
+The engine measures the activation peak and non-torch memory with a profiling pass; the planner puts
+estimates in their place (``activation_peak_estimate`` and the constants below, calibrated against what
+the engine logged on an H200: docs/benchmarks.md) and then runs the same ``compute_budget`` and the same
+start-up checks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from pagedserve.config import EngineArgs, EngineConfig
+from pagedserve.memory import GiB, MemoryBudget, activation_peak_estimate, compute_budget, fmt_bytes, weight_bytes
+from pagedserve.model.runner import decode_graph_sizes
+
+MiB = 2**20
+# Total device memory as torch reports it. H200: measured on the workplace's H200 (139.80 GiB); the
+# others are the nominal totals nvidia-smi shows for those cards. Pass --gpu-memory for your exact card.
+GPU_PRESETS: dict[str, int] = {
+    "H200-141GB": int(139.80 * GiB),
+    "H100-80GB": 81559 * MiB,
+    "A100-80GB": 81920 * MiB,
+    "A100-40GB": 40960 * MiB,
+    "L40S": 46068 * MiB,
+    "RTX-4090": 24564 * MiB,
+}
+NON_TORCH_ESTIMATE = 256 * MiB       # cuBLAS/Triton workspaces (160 MiB measured on the H200)
+NCCL_ESTIMATE = 512 * MiB            # communication buffers per rank when tensor parallel
+GRAPH_ESTIMATE_PER_SIZE = 32 * MiB   # 0.13 GiB measured for 5 decode graphs of Qwen3-8B
+WORKSPACE_HEADROOM = GiB             # what CUDA context, allocator slack and spikes need beyond graphs
+
+
+@dataclass
+class Plan:
+    model: str
+    gpu: str | None
+    tensor_parallel_size: int
+    dtype: str
+    kv_cache_dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    budget: MemoryBudget
+    cuda_graphs: int
+    concurrency: dict[str, float]
+    failures: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        b = self.budget
+        out = {k: v for k, v in asdict(self).items() if k != "budget"}
+        out["budget"] = {**asdict(b), "bytes_per_block": b.bytes_per_block, "kv_tokens": b.kv_tokens,
+                         "requested": b.requested, "headroom": b.headroom}
+        out["starts"] = not self.failures
+        return out
+
+    def table(self) -> str:
+        b = self.budget
+        rows = [("Model", f"{self.model} ({self.dtype}, KV cache {self.kv_cache_dtype})")]
+        if b.device_total is not None:
+            rows += [("GPU", f"{self.gpu or 'custom'}: {fmt_bytes(b.device_total)} each, tensor parallel "
+                             f"{self.tensor_parallel_size}"),
+                     (f"Budget (x{b.utilization})", f"{fmt_bytes(b.requested)} per GPU; headroom {fmt_bytes(b.headroom)}")]
+        rows += [
+            ("Weights", f"{fmt_bytes(b.weights)} per GPU (tied embeddings counted once)"),
+            ("Activation peak", f"{fmt_bytes(b.activation_peak)} for {self.max_num_batched_tokens} tokens, "
+                                f"{self.max_num_seqs} sequences (estimate)"),
+            ("Non-torch memory", f"{fmt_bytes(b.non_torch)} (estimate)"),
+            ("KV per token / block", f"{b.bytes_per_token / 1024:.1f} KiB / {fmt_bytes(b.bytes_per_block)}"),
+            ("KV cache", f"{fmt_bytes(b.kv_cache_bytes)} = {b.num_blocks:,} blocks of {b.block_size} = "
+                         f"{b.kv_tokens:,} tokens ({b.kv_source})"),
+            ("CUDA graphs", f"{fmt_bytes(self.cuda_graphs)} (estimate; must fit in the headroom)"),
+        ]
+        rows += [(f"Max concurrency @ {k}", f"{v:.2f} requests") for k, v in self.concurrency.items()]
+        width = max(len(r[0]) for r in rows) + 2
+        lines = [f"{k:<{width}}{v}" for k, v in rows]
+        lines += [f"FAILS AT START-UP: {f}" for f in self.failures]
+        lines += [f"warning: {w}" for w in self.warnings]
+        if not self.failures and not self.warnings:
+            lines.append("ok: starts, and every configured sequence fits at these lengths.")
+        return "\n".join(lines)
+
+
+def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | None = None,
+              input_len: int | None = None, output_len: int | None = None) -> Plan:
+    from pagedserve.errors import ConfigError
+
+    if gpu is not None and gpu not in GPU_PRESETS:
+        raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PRESETS)} or give --gpu-memory GiB.")
+    total = int(gpu_memory_gib * GiB) if gpu_memory_gib else GPU_PRESETS.get(gpu) if gpu else None
+    if total is not None and total <= 0:
+        raise ConfigError("--gpu-memory must be positive.")
+    on_gpu = total is not None
+    if not on_gpu and args.kv_cache_memory is None and args.num_gpu_blocks_override is None:
+        raise ConfigError("Give --gpu (a preset) or --gpu-memory GiB, or --kv-cache-memory for a CPU plan.")
+    cfg: EngineConfig = args.create_config(plan_for="cuda" if on_gpu else "cpu")
+    tp = args.tensor_parallel_size
+    m = cfg.model
+    non_torch = (NON_TORCH_ESTIMATE + (NCCL_ESTIMATE if tp > 1 else 0)) if on_gpu else 0
+    budget = compute_budget(
+        model=m, kv_dtype=cfg.kv_dtype, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+        weights=weight_bytes(m, cfg.dtype, tp),
+        activation_peak=activation_peak_estimate(m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.dtype, tp),
+        non_torch=non_torch, device_total=total, utilization=args.gpu_memory_utilization if on_gpu else None,
+        kv_cache_memory=cfg.kv_cache_memory, num_blocks_override=args.num_gpu_blocks_override, tp=tp)
+    graphs = 0 if (not on_gpu or args.enforce_eager) else GRAPH_ESTIMATE_PER_SIZE * len(decode_graph_sizes(cfg.max_num_seqs))
+    lengths = {f"max_model_len {cfg.max_model_len}": cfg.max_model_len}
+    if input_len or output_len:
+        n = (input_len or 0) + (output_len or 0)
+        lengths[f"{input_len or 0} in + {output_len or 0} out"] = n
+    concurrency = {k: budget.max_concurrency(n) for k, n in lengths.items()}
+    plan = Plan(args.model, gpu, tp, str(cfg.dtype).replace("torch.", ""), str(cfg.kv_dtype).replace("torch.", ""),
+                cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, budget, graphs, concurrency,
+                failures=budget.failures())
+    if plan.failures:
+        return plan
+    if on_gpu and budget.headroom < graphs + WORKSPACE_HEADROOM:
+        safe = math.floor((1 - (graphs + WORKSPACE_HEADROOM) / total) * 100) / 100
+        plan.warnings.append(
+            f"headroom {fmt_bytes(budget.headroom)} is below the {fmt_bytes(graphs + WORKSPACE_HEADROOM)} that CUDA "
+            f"graphs and workspaces need: peaks can OOM after start-up. Use --gpu-memory-utilization {safe} or lower "
+            f"(or --enforce-eager to drop the graphs).")
+    per_req = (input_len or 0) + (output_len or 0) or cfg.max_model_len
+    fit = math.floor(budget.max_concurrency(per_req))
+    if cfg.max_num_seqs > fit:
+        plan.warnings.append(
+            f"--max-num-seqs {cfg.max_num_seqs} can never all run at {per_req} tokens per request: the KV cache "
+            f"holds {fit}. Expect preemptions above {fit} running requests; set --max-num-seqs {max(fit, 1)} or "
+            f"lower --max-model-len / use --kv-cache-dtype fp8.")
+    return plan

@@ -1,0 +1,155 @@
+"""The planner (same formulas as the engine's start-up budget) and diagnose (on recorded metric series)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.cli import main
+from pagedserve.config import EngineArgs
+from pagedserve.memory import GiB
+from pagedserve.tune.diagnose import diagnose, parse_sample
+from pagedserve.tune.plan import GPU_PRESETS, NON_TORCH_ESTIMATE, make_plan
+from tests.serving import running_server
+
+MiB = 2**20
+
+
+def test_qwen3_8b_on_h200_by_hand():
+    plan = make_plan(EngineArgs(model="Qwen/Qwen3-8B", gpu_memory_utilization=0.88, max_model_len=8192,
+                                max_num_seqs=16, max_num_batched_tokens=4096), gpu="H200-141GB")
+    b = plan.budget
+    # parameters: 36 layers of (q,k,v,o + q/k norms + gate,up,down + 2 norms), embeddings, lm_head, final norm
+    layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 2 * 128 + 3 * 4096 * 12288 + 2 * 4096
+    params = 36 * layer + 2 * 151936 * 4096 + 4096
+    assert params == 8_190_735_360
+    assert b.weights == 2 * params
+    assert b.bytes_per_token == 2 * 36 * 8 * 128 * 2 == 147_456
+    activation = 4096 * (2 * 4096 + 3 * 12288) * 2 + 16 * 151936 * (2 + 12)
+    assert b.activation_peak == activation
+    kv = int(GPU_PRESETS["H200-141GB"] * 0.88) - b.weights - activation - NON_TORCH_ESTIMATE
+    assert b.kv_cache_bytes == kv and b.num_blocks == kv // (16 * 147_456)
+    assert plan.concurrency["max_model_len 8192"] == pytest.approx(b.num_blocks / 512)
+    # the engine logged 780,192 KV tokens for this exact configuration on the H200 (docs/benchmarks.md)
+    assert abs(b.kv_tokens - 780_192) / 780_192 < 0.03
+    assert not plan.failures and not plan.warnings
+
+
+def test_llama_tensor_parallel_fp8_by_hand():
+    plan = make_plan(EngineArgs(model="meta-llama/Llama-3.1-8B", tensor_parallel_size=2, kv_cache_dtype="fp8",
+                                max_model_len=16384), gpu="H100-80GB")
+    b = plan.budget
+    layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096
+    params = 32 * layer + 2 * 128256 * 4096 + 4096
+    assert b.weights == math.ceil(params / 2) * 2  # half of the weights on each rank
+    assert b.bytes_per_token == 2 * 32 * 4 * 128 * 1  # 4 of the 8 KV heads per rank, 1 byte each
+    assert b.non_torch > NON_TORCH_ESTIMATE  # communication buffers when sharded
+
+
+def test_engine_block_count_equals_the_planner_on_cpu():
+    for kwargs in (dict(kv_cache_memory="8MiB"), dict(num_gpu_blocks_override=300), dict(kv_cache_memory="3MiB", block_size=32)):
+        plan = make_plan(EngineArgs(model="tiny", **kwargs))
+        llm = LLM("tiny", **kwargs)
+        assert llm.engine.core.pool.num_blocks == plan.budget.num_blocks == llm.memory_budget.num_blocks
+        assert llm.memory_budget.kv_cache_bytes == plan.budget.kv_cache_bytes
+
+
+def test_plan_failures_and_warnings():
+    too_big = make_plan(EngineArgs(model="Qwen/Qwen3-8B", gpu_memory_utilization=0.5), gpu="RTX-4090")
+    assert too_big.failures and "--gpu-memory-utilization" in too_big.failures[0]
+    assert "weights" in too_big.failures[0].lower()
+    no_len = make_plan(EngineArgs(model="meta-llama/Llama-3.1-8B", max_model_len=131072), gpu="RTX-4090")
+    fits = no_len.budget.kv_tokens
+    assert 0 < fits < 131072
+    assert no_len.failures and f"Lower --max-model-len to at most {fits:,}" in no_len.failures[0]
+    greedy_util = make_plan(EngineArgs(model="Qwen/Qwen3-0.6B", gpu_memory_utilization=0.995), gpu="H100-80GB")
+    assert any("headroom" in w for w in greedy_util.warnings)
+    crowded = make_plan(EngineArgs(model="Qwen/Qwen3-8B", max_model_len=32768, max_num_seqs=128), gpu="A100-80GB",
+                        input_len=30000, output_len=2000)
+    assert any("--max-num-seqs 128 can never all run" in w for w in crowded.warnings)
+
+
+def test_plan_cli_json_and_exit_code(capsys):
+    main(["plan", "Qwen/Qwen3-0.6B", "--gpu", "H200-141GB", "--json", "--input-len", "512", "--output-len", "128"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["starts"] and out["budget"]["kv_tokens"] > 0 and "512 in + 128 out" in out["concurrency"]
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "Qwen/Qwen3-8B", "--gpu", "RTX-4090"])
+    assert e.value.code == 1
+    assert "FAILS AT START-UP" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ diagnose on recorded series
+
+
+def metrics_text(running, waiting, kv, preemptions, ttft_sum, ttft_count, itl_sum, itl_count) -> str:
+    """A scrape in vLLM's exposition format (labels included), as recorded from a server."""
+    lab = '{engine="0",model_name="m"}'
+    return "\n".join([
+        "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{lab} {running}",
+        "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{lab} {waiting}",
+        "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{lab} {kv}",
+        "# TYPE vllm:num_preemptions counter", f"vllm:num_preemptions_total{lab} {preemptions}",
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {ttft_count}',
+        f"vllm:time_to_first_token_seconds_count{lab} {ttft_count}",
+        f"vllm:time_to_first_token_seconds_sum{lab} {ttft_sum}",
+        "# TYPE vllm:inter_token_latency_seconds histogram",
+        f'vllm:inter_token_latency_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {itl_count}',
+        f"vllm:inter_token_latency_seconds_count{lab} {itl_count}",
+        f"vllm:inter_token_latency_seconds_sum{lab} {itl_sum}", ""])
+
+
+def series(rows):
+    return [parse_sample(metrics_text(*row), t=float(i)) for i, row in enumerate(rows)]
+
+
+def test_diagnose_start_up_failure():
+    d = diagnose([])
+    assert d.situation == 1 and "pagedserve plan" in d.first_change
+
+
+def test_diagnose_kv_pressure_from_preemptions():
+    rows = [(16, 4, 0.97, 10 + i * 3, 10 + i, 100 + 10 * i, 5 + i, 500 + 100 * i) for i in range(6)]
+    d = diagnose(series(rows), max_num_seqs=16)
+    assert d.situation == 2 and "--max-num-seqs" in d.first_change and "preemptions in the window: 15" in d.text()
+
+
+def test_diagnose_queueing_at_the_sequence_cap():
+    # TTFT climbs (queueing), running pinned at 16, KV at 20 %, no preemption
+    rows = [(16, 3 * i, 0.2, 0, sum(0.1 * (1 + k) for k in range(i + 1)), i + 1, 0.03 * 50 * i, 50 * i)
+            for i in range(8)]
+    d = diagnose(series(rows), max_num_seqs=16)
+    assert d.situation == 3 and "raise --max-num-seqs" in d.first_change
+
+
+def test_diagnose_token_budget_bound():
+    rows = [(6, 5, 0.3, 0, 2.0 * (i + 1), i + 1, 0.02 * 40 * i, 40 * i) for i in range(6)]
+    d = diagnose(series(rows), max_num_seqs=64)
+    assert d.situation == 3 and "--max-num-batched-tokens" in d.first_change and "token budget" in d.title
+
+
+def test_diagnose_itl_rising_without_queue():
+    itl_sum, rows = 0.0, []
+    for i in range(8):
+        itl_sum += 100 * (0.02 if i < 4 else 0.2)
+        rows.append((8, 0, 0.4, 0, 0.5 * (i + 1), i + 1, itl_sum, 100 * (i + 1)))
+    d = diagnose(series(rows), max_num_seqs=64)
+    assert d.situation == 3 and "CPU scheduling" in d.title
+
+
+def test_diagnose_healthy():
+    rows = [(4, 0, 0.1, 2, 0.05 * (i + 1), i + 1, 0.02 * 30 * (i + 1), 30 * (i + 1)) for i in range(5)]
+    assert diagnose(series(rows), max_num_seqs=64).situation is None
+
+
+def test_diagnose_cli_against_a_running_server(capsys):
+    with running_server("--kv-cache-memory", "4MiB") as (url, _):
+        main(["diagnose", "--url", url, "--window", "1", "--interval", "0.5", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["situation"] is None and out["evidence"]
+    main(["diagnose", "--url", "http://127.0.0.1:9", "--window", "0", "--json"])
+    assert json.loads(capsys.readouterr().out)["situation"] == 1
