@@ -42,7 +42,8 @@ def run_ours(model, prompts, outs, ns) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, load_format="auto" if Path(model).is_dir() else "dummy", dtype="bfloat16",
               max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
-              max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens)
+              max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+              kv_cache_dtype=ns.kv_cache_dtype)
     init = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--hf-peer", action="store_true", help="also run transformers on the same weights")
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
