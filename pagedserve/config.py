@@ -225,9 +225,13 @@ class EngineArgs:
         dtype = self._resolve_dtype(model_config, device)
         kv_dtype = self._resolve_kv_dtype(dtype)
 
-        if self.tensor_parallel_size < 1 or model_config.num_heads % self.tensor_parallel_size:
-            raise ConfigError(f"{flag('tensor_parallel_size')}: {self.tensor_parallel_size} must be >= 1 and divide "
-                              f"the {model_config.num_heads} attention heads.")
+        size, m = self.tensor_parallel_size, model_config
+        if size < 1 or any(n % size for n in (m.num_heads, m.intermediate_size, m.vocab_size)) or (
+                m.num_kv_heads % size and size % m.num_kv_heads):
+            raise ConfigError(
+                f"{flag('tensor_parallel_size')}: {size} must be >= 1 and divide the {m.num_heads} attention heads, "
+                f"the MLP width {m.intermediate_size} and the vocabulary {m.vocab_size}, and divide or be a "
+                f"multiple of the {m.num_kv_heads} KV heads.")
         if self.block_size not in _BLOCK_SIZES:
             raise ConfigError(f"{flag('block_size')}: {self.block_size} is not one of {_BLOCK_SIZES}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -37,7 +37,6 @@ def config_error(**kwargs) -> str:
     (dict(tensor_parallel_size=3), ["--tensor-parallel-size", "3"]),
     (dict(device="tpu"), ["--device"]),
     (dict(attention_backend="magic", load_format="dummy"), "--attention-backend"),
-    (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
 ])
 def test_bad_engine_args(kwargs, fragments):
     if isinstance(fragments, str):  # rejected when the runner is built

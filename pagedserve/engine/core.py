@@ -59,6 +59,10 @@ class EngineCore:
             logger.info(line)
         logger.info("init engine (load model, size KV cache) took %.2f seconds", time.perf_counter() - t0)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any."""
+        self.runner.shutdown()
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 

@@ -29,6 +29,10 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs).create_config())
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (they also stop when this process exits)."""
+        self.engine.core.shutdown()
+
     @property
     def memory_budget(self):
         return self.engine.core.runner.budget

@@ -7,9 +7,12 @@ the loader maps Hugging Face's separate tensors into them (``PACKED_WEIGHTS``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.config import ModelConfig
+from pagedserve.memory import kv_heads_per_rank
+from pagedserve.model.parallel import all_gather_last_dim, all_reduce, tp
 from pagedserve.model.attention import AttentionBackend, AttentionMetadata
 from pagedserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -24,9 +27,14 @@ PACKED_WEIGHTS = {
 
 
 class Attention(nn.Module):
+    """This rank's heads: q/k/v rows are split over tensor-parallel ranks, o_proj's columns too."""
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        size = tp().size
+        self.num_heads = config.num_heads // size
+        self.num_kv_heads = kv_heads_per_rank(config, size)
+        self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
@@ -55,14 +63,14 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         out = self.backend.forward(self.qkv_proj(x), positions, self, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
         self.self_attn = Attention(config, rotary, backend)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp().size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -77,10 +85,29 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the vocabulary; ids owned by other ranks contribute zeros to the all-reduce."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        g = tp()
+        self.per_rank = vocab // g.size
+        self.start = g.rank * self.per_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tp().size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(local.masked_fill(~mine, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(out)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -99,7 +126,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, backend, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp().size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -108,10 +135,11 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Full-vocabulary logits (each rank computes its slice; they are gathered)."""
+        return all_gather_last_dim(self.lm_head(hidden))
 
     def shard_sizes(self, packed: str) -> list[int]:
         """Row sizes of the shards of a merged parameter (q/k/v or gate/up)."""
         if packed == "qkv_proj":
             return self.model.layers[0].self_attn.shard_sizes()
-        return [self.config.intermediate_size] * 2
+        return [self.config.intermediate_size // tp().size] * 2

@@ -10,6 +10,7 @@ from torch import nn
 
 from pagedserve.config import ModelConfig
 from pagedserve.model import fused
+from pagedserve.model.parallel import all_reduce
 
 
 class RMSNorm(nn.Module):
@@ -83,8 +84,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """With tensor parallelism each rank holds a slice of the width; the partial sums are reduced."""
         gate_up = self.gate_up_proj(x)
         if x.is_cuda:
-            return self.down_proj(fused.silu_mul(gate_up))
+            return all_reduce(self.down_proj(fused.silu_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return all_reduce(self.down_proj(F.silu(gate) * up))

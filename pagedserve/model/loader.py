@@ -11,7 +11,9 @@ from safetensors import safe_open
 
 from pagedserve.config import ConfigError, EngineConfig, flag
 from pagedserve.model.attention import AttentionBackend
+from pagedserve.memory import kv_heads_per_rank
 from pagedserve.model.decoder import PACKED_WEIGHTS, DecoderForCausalLM
+from pagedserve.model.parallel import tp
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ def load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
             for hf_name in f.keys():
                 if "rotary_emb" in hf_name or (tied and hf_name == "lm_head.weight"):
                     continue
-                tensor = f.get_tensor(hf_name)
+                tensor = _rank_slice(hf_name, f.get_slice(hf_name), model.config)
                 name, shard = _map_name(hf_name)
                 if name not in params:
                     raise ConfigError(f"checkpoint tensor {hf_name!r} in {file.name} has no place in this "
@@ -96,6 +98,33 @@ def load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
     missing = sorted(expected - loaded)
     if missing:
         raise ConfigError(f"checkpoint in {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[:3]}.")
+
+
+def _rank_slice(hf_name: str, sl, cfg) -> torch.Tensor:
+    """This tensor-parallel rank's part of a checkpoint tensor, read without loading the rest: rows of
+    q/k/v, gate/up and the vocabulary; columns of o_proj and down_proj. KV heads are replicated when
+    there are fewer of them than ranks."""
+    g = tp()
+    if g.size == 1:
+        return sl[:]
+    d = cfg.head_dim
+    q_rows = cfg.num_heads // g.size * d
+    kv_local = kv_heads_per_rank(cfg, g.size)
+    kv_first = g.rank * cfg.num_kv_heads // g.size
+    width = cfg.intermediate_size // g.size
+    vocab = cfg.vocab_size // g.size
+    rows = {".q_proj.": (g.rank * q_rows, q_rows), ".k_proj.": (kv_first * d, kv_local * d),
+            ".v_proj.": (kv_first * d, kv_local * d), ".gate_proj.": (g.rank * width, width),
+            ".up_proj.": (g.rank * width, width), "embed_tokens.": (g.rank * vocab, vocab),
+            "lm_head.": (g.rank * vocab, vocab)}
+    cols = {".o_proj.": (g.rank * q_rows, q_rows), ".down_proj.": (g.rank * width, width)}
+    for part, (start, n) in rows.items():
+        if part in hf_name:
+            return sl[start:start + n]
+    for part, (start, n) in cols.items():
+        if part in hf_name:
+            return sl[:, start:start + n]
+    return sl[:]
 
 
 def _map_name(hf_name: str) -> tuple[str, int | None]:

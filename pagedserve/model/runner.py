@@ -3,11 +3,16 @@ tensors, runs the forward pass and samples."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
 import resource
+import socket
 import time
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
 
 import numpy as np
 import torch
@@ -15,12 +20,19 @@ import torch
 from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.scheduler import SchedulerOutput
-from pagedserve.memory import GiB, MemoryBudget, activation_peak_estimate, compute_budget
+from pagedserve.memory import GiB, MemoryBudget, activation_peak_estimate, compute_budget, kv_heads_per_rank
+from pagedserve.model import parallel
 from pagedserve.model.attention import AttentionMetadata, get_attention_backend
 from pagedserve.model.loader import build_model
 from pagedserve.model.sampler import SamplerOutput, SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -29,14 +41,30 @@ def decode_graph_sizes(max_num_seqs: int) -> list[int]:
     return sorted({b for b in [1, 2, 4, 8, *range(16, top + 1, 16)] if b <= top} | {top})
 
 
+@dataclass
+class StepInputs:
+    """One step as arrays: what rank 0 broadcasts to the other tensor-parallel ranks."""
+
+    ids: np.ndarray          # [T] int64
+    positions: np.ndarray    # [T] int64
+    slots: np.ndarray        # [T] int64
+    query_lens: np.ndarray   # [B] int64
+    seq_lens: np.ndarray     # [B] int32
+    tables: np.ndarray       # [B, W] int32
+    sample_rows: np.ndarray  # [S] int64: rows of the batch whose logits are sampled
+
+    @property
+    def decode_only(self) -> bool:
+        return bool((self.query_lens == 1).all()) and len(self.sample_rows) == len(self.query_lens)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
-        if config.args.tensor_parallel_size != 1:
-            raise ConfigError("--tensor-parallel-size: the engine runs on one device in this release "
-                              "(`pagedserve plan --tensor-parallel-size N` sizes a sharded deployment).")
+    def __init__(self, config: EngineConfig, rank: int = 0, port: int | None = None):
         self.config = config
         self.device = config.device
         self.block_size = config.block_size
+        self.tp_size = config.args.tensor_parallel_size
+        self._workers = self._start_group(rank, port)
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.set_device(self.device)
@@ -54,8 +82,9 @@ class ModelRunner:
             self._non_torch_baseline = (total - free) - torch.cuda.memory_reserved(self.device)
 
         m = config.model
-        self.backend = get_attention_backend(config.args.attention_backend, self.device, m.num_heads,
-                                             m.num_kv_heads, m.head_dim)
+        self.num_kv_heads = kv_heads_per_rank(m, self.tp_size)
+        self.backend = get_attention_backend(config.args.attention_backend, self.device,
+                                             m.num_heads // self.tp_size, self.num_kv_heads, m.head_dim)
         t0 = time.perf_counter()
         self.model = build_model(config, self.backend)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -65,7 +94,7 @@ class ModelRunner:
         self.budget = self._plan_memory()
         # one block beyond the pool's: padded rows of a CUDA-graph batch write their K/V there
         self.trash_slot = self.budget.num_blocks * self.block_size
-        shape = (2, self.budget.num_blocks + 1, self.block_size, m.num_kv_heads, m.head_dim)
+        shape = (2, self.budget.num_blocks + 1, self.block_size, self.num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=config.kv_dtype, device=self.device) for _ in range(m.num_layers)]
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(config.args.seed)
@@ -75,6 +104,30 @@ class ModelRunner:
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def _start_group(self, rank: int, port: int | None) -> list:
+        """With tensor parallelism, rank 0 starts one process per other rank; all join one group."""
+        if self.tp_size == 1:
+            return []
+        workers = []
+        if rank == 0:
+            port = _free_port()
+            ctx = mp.get_context("spawn")
+            workers = [ctx.Process(target=parallel.worker_main, args=(self.config.args, r, self.tp_size, port),
+                                   daemon=True, name=f"pagedserve-tp{r}") for r in range(1, self.tp_size)]
+            for w in workers:
+                w.start()
+        parallel.init_group(rank, self.tp_size, port, self.device)
+        return workers
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (rank 0 only; a no-op without tensor parallelism)."""
+        if self._workers:
+            parallel.broadcast_object(None)
+            for w in self._workers:
+                w.join(timeout=30)
+            self._workers = []
+            parallel.destroy_group()
+
     # ------------------------------------------------------------------ memory
 
     def _plan_memory(self) -> MemoryBudget:
@@ -83,11 +136,15 @@ class ModelRunner:
                       max_model_len=c.max_model_len, weights=self.weight_bytes,
                       kv_cache_memory=c.kv_cache_memory, num_blocks_override=c.args.num_gpu_blocks_override)
         if self.device.type != "cuda":
-            peak = activation_peak_estimate(c.model, c.max_num_batched_tokens, c.max_num_seqs, c.dtype)
-            return compute_budget(**common, activation_peak=peak).check()
-        peak, non_torch = self._profile_run()
-        return compute_budget(**common, activation_peak=peak, non_torch=non_torch,
-                              device_total=self._device_total, utilization=c.args.gpu_memory_utilization).check()
+            peak = activation_peak_estimate(c.model, c.max_num_batched_tokens, c.max_num_seqs, c.dtype, self.tp_size)
+            budget = compute_budget(**common, activation_peak=peak, tp=self.tp_size)
+        else:
+            peak, non_torch = self._profile_run()
+            budget = compute_budget(**common, activation_peak=peak, non_torch=non_torch, tp=self.tp_size,
+                                    device_total=self._device_total, utilization=c.args.gpu_memory_utilization)
+        # one scheduler drives every rank: all use the smallest rank's block count
+        blocks = parallel.all_reduce_min(budget.num_blocks, self.device)
+        return dataclasses.replace(budget, num_blocks=blocks).check()
 
     @torch.inference_mode()
     def _profile_run(self) -> tuple[int, int]:
@@ -99,7 +156,7 @@ class ModelRunner:
         lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
         blocks = [math.ceil(n / self.block_size) for n in lens]
         m = c.model
-        scratch = [torch.zeros((2, sum(blocks), self.block_size, m.num_kv_heads, m.head_dim),
+        scratch = [torch.zeros((2, sum(blocks), self.block_size, self.num_kv_heads, m.head_dim),
                                dtype=c.kv_dtype, device=self.device) for _ in range(m.num_layers)]
         tables, first = [], 0
         for b in blocks:
@@ -109,7 +166,9 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         slots = torch.cat([torch.tensor(t).repeat_interleave(self.block_size)[:n] * self.block_size
                            + torch.arange(n) % self.block_size for t, n in zip(tables, lens)]).to(self.device)
-        meta = self._metadata(slots, lens, lens, tables)
+        width = max(blocks)
+        meta = self._metadata(slots, np.asarray(lens), np.asarray(lens, dtype=np.int32),
+                              np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -167,29 +226,21 @@ class ModelRunner:
         logger.info("Graph capturing finished in %.1f secs, took %.2f GiB (%d decode batch sizes up to %d)",
                     time.perf_counter() - t0, used / GiB, len(sizes), top)
 
-    def _replay_decode(self, out: SchedulerOutput, pool: BlockPool) -> torch.Tensor | None:
+    def _replay_decode(self, inp: StepInputs) -> torch.Tensor | None:
         """Logits of an all-decode step through a captured graph, or None if the step does not fit one."""
-        n = len(out.scheduled)
+        n = len(inp.query_lens)
         bs = min((b for b in self._graphs if b >= n), default=None)
-        if bs is None or any(item.num_tokens != 1 or not item.samples for item in out.scheduled):
+        if bs is None or not inp.decode_only:
             return None
-        st, blk = self._static, self.block_size
-        reqs = [item.request for item in out.scheduled]
-        pos = np.fromiter((item.start for item in out.scheduled), dtype=np.int64, count=n)
-        tables = [pool.block_table(r.request_id) for r in reqs]
-        width = max(len(t) for t in tables)
-        table_arr = np.zeros((n, width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table_arr[i, :len(t)] = t
-        last_blocks = table_arr[np.arange(n), pos // blk].astype(np.int64)
+        st = self._static
         host = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        st["ids"][:n].copy_(host(np.fromiter((r.all_token_ids[-1] for r in reqs), dtype=np.int64, count=n)))
-        st["pos"][:n].copy_(host(pos))
-        st["slots"][:n].copy_(host(last_blocks * blk + pos % blk))
+        st["ids"][:n].copy_(host(inp.ids))
+        st["pos"][:n].copy_(host(inp.positions))
+        st["slots"][:n].copy_(host(inp.slots))
         st["slots"][n:bs].fill_(self.trash_slot)
-        st["seq_lens"][:n].copy_(host((pos + 1).astype(np.int32)))
+        st["seq_lens"][:n].copy_(host(inp.seq_lens))
         st["seq_lens"][n:bs].zero_()
-        st["tables"][:n, :width].copy_(host(table_arr))
+        st["tables"][:n, :inp.tables.shape[1]].copy_(host(inp.tables))
         graph, logits, _ = self._graphs[bs]
         graph.replay()
         return logits[:n]
@@ -204,53 +255,64 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ a step
 
-    def _metadata(self, slots: torch.Tensor, query_lens: list[int], seq_lens: list[int],
-                  tables: list[list[int]]) -> AttentionMetadata:
-        width = max(len(t) for t in tables)
-        table_arr = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table_arr[i, :len(t)] = t
+    def _metadata(self, slots: torch.Tensor, query_lens: np.ndarray, seq_lens: np.ndarray,
+                  tables: np.ndarray) -> AttentionMetadata:
         starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=starts[1:])
+        host = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=torch.from_numpy(starts).to(self.device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
-            block_tables=torch.from_numpy(table_arr).to(self.device, non_blocking=True),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_lens_cpu=np.asarray(query_lens))
+            slot_mapping=slots, query_start_loc=host(starts), seq_lens=host(seq_lens), block_tables=host(tables),
+            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()), query_lens_cpu=query_lens)
         self.backend.prepare(meta, self.block_size)
         return meta
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, pool: BlockPool) -> SamplerOutput | None:
-        """Run one scheduled step; return one sampled token per request whose ``samples`` is set."""
-        logits = self._replay_decode(out, pool)
-        if logits is not None:
-            return sample(logits, self._sampling_batch(out))
+    def prepare(self, out: SchedulerOutput, pool: BlockPool) -> StepInputs:
+        """The step's token ids, positions, cache slots and block tables as arrays."""
         bs = self.block_size
+        n = len(out.scheduled)
         ids: list[int] = []
-        positions, slots, query_lens, seq_lens, tables, sample_rows = [], [], [], [], [], []
-        for item in out.scheduled:
-            req, start, n = item.request, item.start, item.num_tokens
-            table = pool.block_table(req.request_id)
-            ids.extend(req.all_token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(table)
+        positions, sample_rows = [], []
+        query_lens = np.empty(n, dtype=np.int64)
+        tables = [pool.block_table(item.request.request_id) for item in out.scheduled]
+        table_arr = np.zeros((n, max(len(t) for t in tables)), dtype=np.int32)
+        for i, (item, table) in enumerate(zip(out.scheduled, tables)):
+            start, k = item.start, item.num_tokens
+            ids.extend(item.request.all_token_ids[start:start + k])
+            positions.append(np.arange(start, start + k))
+            query_lens[i] = k
+            table_arr[i, :len(table)] = table
             if item.samples:
                 sample_rows.append(len(ids) - 1)
-        to_dev = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        input_ids = to_dev(np.asarray(ids, dtype=np.int64))
-        meta = self._metadata(to_dev(np.concatenate(slots)), query_lens, seq_lens, tables)
-        hidden = self.model(input_ids, to_dev(np.concatenate(positions)), self.kv_caches, meta)
-        if not sample_rows:
+        pos = np.concatenate(positions)
+        rows = np.repeat(np.arange(n), query_lens)
+        slots = table_arr[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        seq_lens = (np.fromiter((item.start for item in out.scheduled), dtype=np.int64, count=n) + query_lens)
+        return StepInputs(np.asarray(ids, dtype=np.int64), pos, slots, query_lens, seq_lens.astype(np.int32),
+                          table_arr, np.asarray(sample_rows, dtype=np.int64))
+
+    @torch.inference_mode()
+    def forward(self, inp: StepInputs) -> torch.Tensor | None:
+        """Logits of the sampled rows (None if no row samples). Every rank runs it on the same inputs."""
+        logits = self._replay_decode(inp)
+        if logits is not None:
+            return logits
+        host = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        meta = self._metadata(host(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
+        hidden = self.model(host(inp.ids), host(inp.positions), self.kv_caches, meta)
+        if not len(inp.sample_rows):
             return None
-        logits = self.model.compute_logits(hidden[to_dev(np.asarray(sample_rows, dtype=np.int64))])
-        return sample(logits, self._sampling_batch(out))
+        return self.model.compute_logits(hidden[host(inp.sample_rows)])
+
+    def execute(self, out: SchedulerOutput, pool: BlockPool) -> SamplerOutput | None:
+        """Run one scheduled step; return one sampled token per request whose ``samples`` is set."""
+        inp = self.prepare(out, pool)
+        if self._workers:
+            parallel.broadcast_object(inp)
+        logits = self.forward(inp)
+        if logits is None:
+            return None
+        with torch.inference_mode():
+            return sample(logits, self._sampling_batch(out))
 
     def _sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
         params = [item.request for item in out.scheduled if item.samples]

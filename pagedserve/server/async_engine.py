@@ -80,6 +80,7 @@ class AsyncEngine:
             self._inbox.put(_STOP)
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        self.core.shutdown()
 
     @property
     def num_in_flight(self) -> int:
