@@ -54,7 +54,7 @@ def attention_alone(name, heads, kv_heads, batch, ctx) -> None:
             be.TILE, be.NUM_WARPS = tile, warps
             meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
             be.prepare(meta, bs)
-            ms = triton.testing.do_bench(lambda: be.attend(q, cache, meta, d ** -0.5), rep=200)
+            ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=200)
             print(f"{name}: TILE {tile:3d} warps {warps}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s "
                   f"(segments {meta.backend_state.decode.num_segments})")
 

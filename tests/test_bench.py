@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pagedserve.bench.datasets import NO_TOKENIZER_VOCAB, custom_dataset, random_dataset, sharegpt_dataset
-from pagedserve.bench.metrics import RequestResult, calculate_metrics, parse_goodput
-from pagedserve.bench.serve import arrival_delays, parse_metrics
+from pagedserve.bench.metrics import RequestResult, calculate_metrics, parse_goodput, scrape_values
+from pagedserve.bench.serve import SCRAPED, arrival_delays
 from pagedserve.cli import main
 from pagedserve.errors import ConfigError
 from tests.serving import running_server
@@ -105,7 +105,7 @@ def test_sharegpt_and_custom_files(tmp_path):
 def test_parse_metrics_reads_vllm_names():
     text = ('# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{model_name="m"} 3\n'
             '# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
-    assert parse_metrics(text) == {"preemptions": 3.0, "kv_cache_usage": 0.5}
+    assert scrape_values(text, SCRAPED) == {"preemptions": 3.0, "kv_cache_usage": 0.5}
 
 
 def test_bench_serve_end_to_end_respects_max_concurrency(tmp_path):

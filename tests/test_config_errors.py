@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve import LLM
-from pagedserve.config import EngineArgs
+from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.errors import ConfigError
 from pagedserve.memory import GiB, compute_budget
-from pagedserve.config import ModelConfig
 from pagedserve.model.known_models import KNOWN_MODELS
-
-import torch
 
 
 def config_error(**kwargs) -> str:

@@ -10,7 +10,6 @@ import pytest
 from pagedserve import LLM
 from pagedserve.cli import main
 from pagedserve.config import EngineArgs
-from pagedserve.memory import GiB
 from pagedserve.tune.diagnose import diagnose, parse_sample
 from pagedserve.tune.plan import GPU_PRESETS, NON_TORCH_ESTIMATE, make_plan
 from tests.serving import running_server

@@ -29,6 +29,20 @@ class RequestResult:
 METRIC_KEYS = ("ttft", "tpot", "itl", "e2el")
 
 
+def scrape_values(text: str, names: dict[str, str]) -> dict[str, float]:
+    """Prometheus text -> {our key: value summed over label sets} for the sample names in ``names``
+    (several names may map to one key: vLLM renamed some metrics across versions)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = names.get(s.name)
+            if key is not None:
+                values[key] = values.get(key, 0.0) + s.value
+    return values
+
+
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
     """``["ttft:200", "tpot:50"]`` (milliseconds) -> {"ttft": 0.2, "tpot": 0.05}."""
     slos = {}

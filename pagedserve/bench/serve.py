@@ -19,7 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagedserve.bench.datasets import SampleRequest
-from pagedserve.bench.metrics import RequestResult, calculate_metrics
+from pagedserve.bench.metrics import RequestResult, calculate_metrics, scrape_values
 
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 
@@ -124,19 +124,6 @@ SCRAPED = {
 }
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """The scraped values we track (summed over label sets), from Prometheus text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = SCRAPED.get(s.name)
-            if key is not None:
-                values[key] = values.get(key, 0.0) + s.value
-    return values
-
-
 class MetricsScraper:
     """Polls /metrics during the run; reports deltas of counters and peaks of gauges."""
 
@@ -151,7 +138,7 @@ class MetricsScraper:
                 if resp.status != 200:
                     self.available = False
                     return
-                self.samples.append(parse_metrics(await resp.text()))
+                self.samples.append(scrape_values(await resp.text(), SCRAPED))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             self.available = False
 

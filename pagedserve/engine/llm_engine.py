@@ -9,13 +9,20 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 
-class LLMEngine:
+class EngineBase:
+    """An engine core with its tokenizer and frontend processors: what the offline and the server
+    engines both hold."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.core = EngineCore(config)
         self.inputs = InputProcessor(config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
+
+
+class LLMEngine(EngineBase):
+    """Everything in the caller's thread: add requests, then call ``step`` until none is unfinished."""
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         request, text = self.inputs.make_request(request_id, prompt, params)

@@ -12,9 +12,9 @@ from torch import nn
 
 from pagedserve.config import ModelConfig
 from pagedserve.memory import kv_heads_per_rank
-from pagedserve.model.parallel import all_gather_last_dim, all_reduce, tp
 from pagedserve.model.attention import AttentionBackend, AttentionMetadata
 from pagedserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagedserve.model.parallel import all_gather_last_dim, all_reduce, tp
 
 # Hugging Face tensor name fragment -> (our parameter fragment, shard index in the merged tensor)
 PACKED_WEIGHTS = {

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.config import ConfigError, EngineConfig, flag
-from pagedserve.model.attention import AttentionBackend
 from pagedserve.memory import kv_heads_per_rank
+from pagedserve.model.attention import AttentionBackend
 from pagedserve.model.decoder import PACKED_WEIGHTS, DecoderForCausalLM
 from pagedserve.model.parallel import tp
 

@@ -12,10 +12,9 @@ import socket
 import time
 from dataclasses import dataclass
 
-import torch.multiprocessing as mp
-
 import numpy as np
 import torch
+import torch.multiprocessing as mp
 
 from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.engine.block_pool import BlockPool
@@ -214,7 +213,9 @@ class ModelRunner:
             meta = AttentionMetadata(st["slots"][:bs], st["starts"][:bs + 1], st["seq_lens"][:bs], st["tables"][:bs],
                                      1, self.config.max_model_len, np.ones(bs, dtype=np.int64),
                                      self.backend.make_state(dev, np.arange(bs), [], segs))
-            run = lambda: self.model.compute_logits(self.model(st["ids"][:bs], st["pos"][:bs], self.kv_caches, meta))  # noqa: E731
+            def run(bs=bs, meta=meta):
+                return self.model.compute_logits(self.model(st["ids"][:bs], st["pos"][:bs], self.kv_caches, meta))
+
             run()  # warm-up: compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import CoreOutput, EngineCore
-from pagedserve.engine.processor import InputProcessor, OutputProcessor, load_tokenizer
+from pagedserve.engine.core import CoreOutput
+from pagedserve.engine.llm_engine import EngineBase
 from pagedserve.engine.request import Request
 from pagedserve.outputs import RequestOutput
 
@@ -54,13 +54,9 @@ class _SetLimits:
 _STOP = object()
 
 
-class AsyncEngine:
+class AsyncEngine(EngineBase):
     def __init__(self, config: EngineConfig):
-        self.config = config
-        self.tokenizer = load_tokenizer(config)
-        self.core = EngineCore(config)
-        self.inputs = InputProcessor(config, self.tokenizer)
-        self.outputs = OutputProcessor(self.tokenizer)
+        super().__init__(config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
         self.observer = None  # optional: .observe(results) after each step, .aborted(request_id)

@@ -34,15 +34,9 @@ _NAMES = {
 
 def parse_sample(text: str, t: float) -> dict[str, float]:
     """The metrics diagnose reads from one scrape, summed over label sets, with its time."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from pagedserve.bench.metrics import scrape_values
 
-    values: dict[str, float] = {"t": t}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = _NAMES.get(s.name)
-            if key is not None:
-                values[key] = values.get(key, 0.0) + s.value
-    return values
+    return {"t": t, **scrape_values(text, _NAMES)}
 
 
 @dataclass
