@@ -124,8 +124,11 @@ def test_too_long_prompt_is_rejected_with_both_numbers(llm):
     assert "256" in str(e.value) and "250" in str(e.value) and "10" in str(e.value)
     with pytest.raises(InvalidRequestError):
         llm.generate([[999999]], SamplingParams(max_tokens=1), use_tqdm=False)
-    # nothing is left behind by the rejected calls
+    # a bad prompt after good ones: the call fails and the good ones do not linger in the engine
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[5, 6], [7, 8], [5] * 300], SamplingParams(max_tokens=4), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.core.pool.num_free_blocks == llm.engine.core.pool.num_blocks
 
 
 def test_token_id_only_mode_for_known_model_with_dummy_weights():

@@ -71,15 +71,15 @@ class LLM:
         return list(sampling_params)
 
     def _run(self, prompts, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        ids = []
-        for prompt, sp in zip(prompts, params):
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, dataclasses.replace(sp))
-            ids.append(rid)
+        ids: list[str] = []
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, out_tokens = time.perf_counter(), 0
         try:
+            for prompt, sp in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, dataclasses.replace(sp))
+                ids.append(rid)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
