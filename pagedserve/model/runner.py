@@ -308,6 +308,9 @@ class ModelRunner:
         """Run one scheduled step; return one sampled token per request whose ``samples`` is set."""
         inp = self.prepare(out, pool)
         if self._workers:
+            dead = [w.name for w in self._workers if not w.is_alive()]
+            if dead:  # a collective with a dead rank would wait forever
+                raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} exited; see their log above")
             parallel.broadcast_object(inp)
         logits = self.forward(inp)
         if logits is None:

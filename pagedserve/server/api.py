@@ -34,6 +34,7 @@ class ServerSettings:
     api_key: str | None = None
     max_num_queued_reqs: int | None = None
     shutdown_timeout: float = 30.0
+    log_stats_interval: float = 10.0  # seconds between stats log lines; 0: off
 
 
 class APIError(Exception):
@@ -131,10 +132,29 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     engine.observer = metrics
     max_model_len = engine.config.max_model_len
 
+    async def log_stats() -> None:
+        """vLLM's periodic line: throughputs over the interval, queue, KV usage, preemptions."""
+        c = engine.core.counters
+        prev = (time.monotonic(), c.prompt_tokens, c.generation_tokens, c.num_preemptions)
+        while True:
+            await asyncio.sleep(settings.log_stats_interval)
+            now = (time.monotonic(), c.prompt_tokens, c.generation_tokens, c.num_preemptions)
+            dt = now[0] - prev[0]
+            st = engine.core.last_stats
+            if now[1:] != prev[1:] or st.num_running or st.num_waiting:
+                logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                            "Running: %d reqs, Waiting: %d reqs, Preemptions: %d, GPU KV cache usage: %.1f%%",
+                            (now[1] - prev[1]) / dt, (now[2] - prev[2]) / dt, st.num_running, st.num_waiting,
+                            now[3] - prev[3], 100 * st.kv_cache_usage)
+            prev = now
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        stats_task = asyncio.create_task(log_stats()) if settings.log_stats_interval > 0 else None
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         if not await engine.wait_idle(settings.shutdown_timeout):
             logger.warning("shutdown: %d requests still in flight after %.0f s", engine.num_in_flight,
                            settings.shutdown_timeout)

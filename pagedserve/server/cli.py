@@ -46,6 +46,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="On SIGTERM, seconds to let in-flight requests finish before exiting.")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--disable-log-stats", action="store_true", help="No periodic throughput/queue/KV log line.")
     p.set_defaults(func=cmd_serve)
 
 
@@ -63,7 +64,8 @@ def build_server(ns: argparse.Namespace):
     config = engine_args_from(ns).create_config()
     engine = AsyncEngine(config)
     settings = ServerSettings(served_model_names=ns.served_model_name or [ns.model], api_key=ns.api_key,
-                              max_num_queued_reqs=ns.max_num_queued_reqs, shutdown_timeout=ns.shutdown_timeout)
+                              max_num_queued_reqs=ns.max_num_queued_reqs, shutdown_timeout=ns.shutdown_timeout,
+                              log_stats_interval=0.0 if ns.disable_log_stats else 10.0)
     app = build_app(engine, settings)
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
                                timeout_graceful_shutdown=int(ns.shutdown_timeout), access_log=False)
