@@ -275,3 +275,30 @@ def test_seed_documents_serve_command_parses_and_resolves():
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (8192, 16, 4096)
     assert cfg.enable_chunked_prefill and cfg.args.gpu_memory_utilization == 0.88
     assert cfg.model.num_layers == 36 and cfg.model.qk_norm
+
+
+def test_scheduler_limits_change_at_runtime(server):
+    """What degradation profiles will use: new step limits apply between two steps; bad ones are refused."""
+    import asyncio as aio
+
+    from pagedserve.errors import ConfigError
+
+    url, app = server
+    engine = app.state.engine
+    sched = engine.core.scheduler
+    before = (sched.max_num_seqs, sched.max_num_batched_tokens)
+
+    def call(**limits):
+        return aio.run_coroutine_threadsafe(engine.set_limits(**limits), engine._loop).result(timeout=10)
+
+    try:
+        call(max_num_seqs=2, max_num_batched_tokens=64)
+        assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (2, 64)
+        with pytest.raises(ConfigError, match="--max-num-batched-tokens"):
+            call(max_num_seqs=8, max_num_batched_tokens=4)
+        assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (2, 64)  # unchanged by the refusal
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a b c", "d e f", "g h i"], "max_tokens": 4,
+                                                      "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3  # served, two at a time
+    finally:
+        call(max_num_seqs=before[0], max_num_batched_tokens=before[1])
