@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.errors import InvalidRequestError
@@ -139,3 +140,19 @@ def test_token_id_only_mode_for_known_model_with_dummy_weights():
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""
     with pytest.raises(InvalidRequestError, match="token ids"):
         llm.generate(["text needs a tokenizer"], use_tqdm=False)
+
+
+def test_out_of_memory_in_a_step_names_the_flags(monkeypatch):
+    from pagedserve.engine.core import DeviceOOMError
+
+    llm = LLM("tiny", kv_cache_memory="2MiB")
+
+    def oom(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(llm.engine.core.runner, "execute", oom)
+    with pytest.raises(DeviceOOMError) as e:
+        llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    msg = str(e.value)
+    assert "--max-num-batched-tokens" in msg and "--gpu-memory-utilization" in msg and "Tried to allocate" in msg
+    assert not llm.engine.has_unfinished_requests()  # the failed call leaves nothing behind

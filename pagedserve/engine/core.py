@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from pagedserve.config import EngineConfig
 from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.request import Request, RequestStatus
@@ -17,6 +19,10 @@ from pagedserve.engine.scheduler import Scheduler, SchedulerStats
 from pagedserve.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+class DeviceOOMError(MemoryError):
+    """The device ran out of memory inside a step; the message says which flag buys headroom."""
 
 
 @dataclass
@@ -80,7 +86,15 @@ class EngineCore:
         if sched.is_empty:
             self.last_stats = self.scheduler.stats(sched)
             return []
-        result = self.runner.execute(sched, self.pool)
+        try:
+            result = self.runner.execute(sched, self.pool)
+        except torch.OutOfMemoryError as e:
+            raise DeviceOOMError(
+                f"Out of device memory in a step of {sched.total_tokens} tokens over {len(sched.scheduled)} "
+                f"requests, with the KV cache {100 * self.pool.usage:.0f}% used (it is preallocated, so this is "
+                f"activations or workspaces outgrowing the headroom). Lower --max-num-batched-tokens (the "
+                f"activation peak) or --gpu-memory-utilization (more headroom); `pagedserve plan` shows the "
+                f"split. ({e})") from e
         if result is None:
             tokens, lp, lp_ids, ranks = [], None, None, None
         else:

@@ -180,6 +180,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def _dead(_: Request, e: EngineDeadError):
         return error_response(APIError(503, str(e), "ServiceUnavailableError"))
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):  # a bug, not bad input: still answer in the API's shape
+        logger.exception("internal error")
+        return error_response(APIError(500, f"Internal error: {type(e).__name__}: {e}", "InternalServerError"))
+
     @app.middleware("http")
     async def auth(request: Request, call_next):
         if settings.api_key and request.url.path.startswith("/v1"):
