@@ -198,6 +198,7 @@ class EngineArgs:
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step (default 8192 on CUDA, 2048 on CPU; max_model_len without chunked prefill).", size=True)
     enable_chunked_prefill: bool = _arg(True, "Split long prompts over steps to fit the token budget.")
+    enable_prefix_caching: bool = _arg(True, "Reuse the KV blocks of a shared prompt prefix across requests.")
     block_size: int = _arg(16, "Tokens per KV-cache block.")
     gpu_memory_utilization: float = _arg(0.9, "Fraction of total GPU memory for this engine: weights, activations and KV cache.")
     kv_cache_memory: int | None = _arg(None, "KV-cache bytes (e.g. 4GiB); skips the utilization-based sizing. Default on CPU: 1GiB.", size=True)

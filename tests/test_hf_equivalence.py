@@ -95,3 +95,17 @@ def test_fp8_kv_cache_runs_and_stays_close(checkpoints, references):
     outs = llm.generate(ids, greedy(), use_tqdm=False)
     firsts = [o.outputs[0].token_ids[0] for o in outs]
     assert sum(a == b[0] for a, b in zip(firsts, expected)) >= len(ids) - 1
+
+
+def test_prefix_cache_hits_do_not_change_outputs(checkpoints, references):
+    ids, expected = references["qwen2"]
+    shared = ids[3]  # the long prompt; variants share its first 64+ tokens
+    variants = [shared[:70] + [7, 8, 9], shared[:66] + [5], shared]
+    off = LLM(str(checkpoints["qwen2"]), kv_cache_memory="16MiB", enable_prefix_caching=False)
+    on = LLM(str(checkpoints["qwen2"]), kv_cache_memory="16MiB")
+    want = [o.outputs[0].token_ids for o in off.generate(variants, greedy(), use_tqdm=False)]
+    on.generate([shared], greedy(), use_tqdm=False)  # fills the cache
+    got = [o.outputs[0].token_ids for o in on.generate(variants, greedy(), use_tqdm=False)]
+    assert got == want and want[2] == expected[3]
+    counters = on.engine.core.counters
+    assert counters.prefix_cache_hits >= 3 * 64 and counters.prefix_cache_queries > counters.prefix_cache_hits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,11 +20,15 @@ def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
 
 
 def check_pool(pool: BlockPool, sched: Scheduler) -> None:
-    held = [b for rid in sched.requests for b in pool.block_table(rid)]
-    free = list(pool._free)
-    assert len(held) == len(set(held)), "a block is in two tables"
-    assert not set(held) & set(free), "a block is both held and free"
-    assert sorted(held + free) == list(range(pool.num_blocks)), "a block leaked"
+    held = Counter(b for rid in sched.requests for b in pool.block_table(rid))
+    free = set(pool._free)
+    assert len(free) == pool.num_free_blocks
+    for b in range(pool.num_blocks):
+        assert pool.ref_count(b) == held[b], "a reference count disagrees with the tables"
+    if not pool.enable_prefix_caching:
+        assert all(n == 1 for n in held.values()), "a block is in two tables"
+    assert not set(held) & free, "a block is both held and free"
+    assert set(held) | free == set(range(pool.num_blocks)), "a block leaked"
     for rid, req in sched.requests.items():
         if req.status == RequestStatus.RUNNING:
             assert len(pool.block_table(rid)) * pool.block_size >= req.num_computed_tokens
@@ -35,8 +40,8 @@ workload = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integer
 @settings(max_examples=60, deadline=None)
 @given(workload=workload, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]),
        max_num_seqs=st.integers(1, 8), budget=st.integers(8, 64), chunked=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_random_workload_invariants(workload, num_blocks, block_size, max_num_seqs, budget, chunked, seed):
+       caching=st.booleans(), seed=st.integers(0, 2**16))
+def test_random_workload_invariants(workload, num_blocks, block_size, max_num_seqs, budget, chunked, caching, seed):
     rng = random.Random(seed)
     max_model_len = 90
     # every request must fit alone in the cache, as the engine's start-up check guarantees
@@ -45,8 +50,9 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
     if not chunked:
         budget = max(budget, max_model_len)
     budget = max(budget, max_num_seqs)
-    pool = BlockPool(num_blocks, block_size)
+    pool = BlockPool(num_blocks, block_size, enable_prefix_caching=caching)
     sched = Scheduler(pool, max_num_seqs, budget, max_model_len, chunked)
+    # prompts share prefixes (every one starts 0, 1, 2, ...), so the prefix cache is hit and blocks shared
     pending = [make_request(str(i), p, o) for i, (p, o, _) in enumerate(workload)]
     arrivals = [a for _, _, a in workload]
     aborted: set[str] = set()
@@ -69,7 +75,7 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
         for s in out.scheduled:
             assert s.num_tokens >= 1
             if not chunked and s.start < s.request.num_prompt_tokens:
-                assert s.start == 0 and s.num_tokens == s.request.num_tokens  # whole prompt at once
+                assert s.start + s.num_tokens == s.request.num_tokens  # the rest of the prompt at once
         sampled = [rng.randrange(100) for s in out.scheduled if s.samples]
         for req in sched.update_from_output(out, sampled):
             produced_tokens[req.request_id] = req.num_output_tokens
@@ -82,7 +88,7 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
 
 
 def test_decode_first_then_fcfs_and_mixed_step():
-    pool = BlockPool(100, 4)
+    pool = BlockPool(100, 4, enable_prefix_caching=False)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64, enable_chunked_prefill=True)
     a, b = make_request("a", 6, 5), make_request("b", 30, 5)
     sched.add_request(a)
@@ -97,7 +103,7 @@ def test_decode_first_then_fcfs_and_mixed_step():
 
 
 def test_token_budget_wins_over_sequence_cap():
-    pool = BlockPool(100, 4)
+    pool = BlockPool(100, 4, enable_prefix_caching=False)
     sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=12, max_model_len=64, enable_chunked_prefill=False)
     for i in range(5):
         sched.add_request(make_request(str(i), 5, 3))
@@ -106,7 +112,7 @@ def test_token_budget_wins_over_sequence_cap():
 
 
 def test_preempts_most_recent_and_requeues_at_front():
-    pool = BlockPool(4, 4)  # 16 token slots
+    pool = BlockPool(4, 4, enable_prefix_caching=False)  # 16 token slots
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16, enable_chunked_prefill=True)
     a, b = make_request("a", 8, 8), make_request("b", 8, 8)
     sched.add_request(a)
@@ -119,7 +125,7 @@ def test_preempts_most_recent_and_requeues_at_front():
 
 
 def test_waiting_request_without_blocks_stops_admission():
-    pool = BlockPool(3, 4)
+    pool = BlockPool(3, 4, enable_prefix_caching=False)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=12, enable_chunked_prefill=True)
     big, small = make_request("big", 12, 1), make_request("small", 2, 1)
     sched.add_request(make_request("first", 8, 4))
@@ -130,3 +136,37 @@ def test_waiting_request_without_blocks_stops_admission():
     # "big" cannot get 3 blocks, and FCFS keeps "small" behind it
     assert [s.request.request_id for s in out.scheduled] == ["first"]
     assert list(sched.waiting) == [big, small]
+
+
+def test_prefix_cache_hits_share_blocks_and_survive_the_first_request():
+    pool = BlockPool(20, 4)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=True)
+    a = make_request("a", 10, 1)  # blocks [0-3] [4-7] full, [8-9] partial
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(), [99])  # a finishes (max_tokens 1); its blocks are freed, cached
+    assert pool.num_free_blocks == 20
+    b = Request("b", list(range(8)) + [50, 51, 52], SamplingParams(max_tokens=2, ignore_eos=True), (), 2)
+    sched.add_request(b)
+    out = sched.schedule()
+    # b's first 8 tokens are a's two full blocks: only the 3 new tokens are computed
+    assert [(s.start, s.num_tokens) for s in out.scheduled] == [(8, 3)]
+    assert out.prefix_cache_hits == 8 and out.prefix_cache_queries == 11
+    a_blocks_reused = pool.block_table("b")[:2]
+    c = Request("c", list(range(8)) + [60], SamplingParams(max_tokens=1, ignore_eos=True), (), 1)
+    sched.add_request(c)
+    sched.update_from_output(out, [7])
+    out = sched.schedule()
+    assert pool.block_table("c")[:2] == a_blocks_reused  # shared while both run
+    assert all(pool.ref_count(blk) == 2 for blk in a_blocks_reused)
+    assert [(s.request.request_id, s.start) for s in out.scheduled] == [("b", 11), ("c", 8)]
+
+
+def test_a_full_prompt_hit_still_computes_its_last_token():
+    pool = BlockPool(10, 4)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=True)
+    sched.add_request(make_request("a", 8, 1))
+    sched.update_from_output(sched.schedule(), [1])
+    sched.add_request(make_request("b", 8, 1))
+    out = sched.schedule()
+    # 8 tokens = 2 full cached blocks, but the last token is recomputed for its logits: 1 block hit
+    assert [(s.start, s.num_tokens) for s in out.scheduled] == [(4, 4)]

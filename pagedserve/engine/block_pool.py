@@ -1,22 +1,35 @@
-"""The KV block pool: a free list of block ids and each request's block table.
+"""The KV block pool: free blocks, each request's block table, and the prefix cache.
 
 The scheduler works only with these integers; the model runner owns the tensors they index.
+
+Prefix caching (vLLM V1's design): once a block is full its content is named by a chain hash
+(previous block's hash, its tokens), and a later request whose prompt starts with the same tokens
+reuses the block instead of computing it again. Blocks carry reference counts; a block nobody holds goes
+to the tail of the free list but keeps its hash, so it can still be hit until it is reused for something
+else (least recently freed first).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from pagedserve.engine.request import Request
 
+_ROOT = 0  # parent hash of a request's first block
+
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._is_free = bytearray(b"\x01") * num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self._refs = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        # prefix cache: (parent hash, block tokens) -> block, and back
+        self._cached: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._hashed: dict[str, tuple[int, int]] = {}  # request -> (blocks registered, last chain hash)
 
     @property
     def num_free_blocks(self) -> int:
@@ -24,34 +37,84 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (vllm:kv_cache_usage_perc)."""
+        """Fraction of blocks held by requests (vllm:kv_cache_usage_perc); cached free blocks count as free."""
         return 1.0 - len(self._free) / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
-    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        total = request.num_computed_tokens + num_new_tokens
-        return -(-total // self.block_size) - len(self._tables.get(request.request_id, ()))
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the request's table to hold ``num_new_tokens`` more tokens; False (and no change) if
-        the pool has too few free blocks."""
-        need = self.blocks_needed(request, num_new_tokens)
-        if need > len(self._free):
+    # ------------------------------------------------------------------ prefix cache
+
+    def lookup(self, request: Request) -> list[int]:
+        """Cached blocks that hold the longest prefix of the request's tokens, leaving at least one
+        token to compute (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens, bs = request.all_token_ids, self.block_size
+        hits, parent = [], _ROOT
+        for i in range((len(tokens) - 1) // bs):
+            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            block = self._cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+            parent = hash(key)
+        return hits
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Name the request's blocks that ``num_tokens`` computed tokens fill, so others can hit them."""
+        table = self._tables[request.request_id]
+        done, parent = self._hashed.get(request.request_id, (0, _ROOT))
+        full = min(num_tokens // self.block_size, len(table))
+        tokens, bs = request.all_token_ids, self.block_size
+        for i in range(done, full):
+            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            if key not in self._cached and table[i] not in self._key_of:
+                self._cached[key] = table[i]
+                self._key_of[table[i]] = key
+            parent = hash(key)
+        self._hashed[request.request_id] = (max(done, full), parent)
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Grow the request's table so ``num_new_tokens`` more tokens fit, first taking the ``cached``
+        prefix blocks from ``lookup`` (for a request that holds no blocks yet). False, with nothing
+        changed, if the pool has too few free blocks."""
+        table = self._tables.get(request.request_id, [])
+        held = len(table) + len(cached)
+        total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        need = max(0, -(-total // self.block_size) - held)
+        revived = sum(1 for b in cached if self._refs[b] == 0)  # cached blocks now sitting in the free list
+        if need + revived > len(self._free):
             return False
-        if need > 0:
-            table = self._tables.setdefault(request.request_id, [])
-            for _ in range(need):
-                block = self._free.popleft()
-                self._is_free[block] = 0
-                table.append(block)
+        table = self._tables.setdefault(request.request_id, table)
+        for block in cached:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            table.append(block)
+        for _ in range(need):
+            block, _ = self._free.popitem(last=False)
+            key = self._key_of.pop(block, None)
+            if key is not None:  # reused for new content: its old name no longer holds
+                del self._cached[key]
+            self._refs[block] = 1
+            table.append(block)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, total)
         return True
 
     def free(self, request: Request) -> None:
-        """Return the request's blocks, tail first (the tail of a sequence is the least reusable)."""
+        """Drop the request's references, tail first: the tail of a sequence is the least reusable, so
+        among blocks freed together it is reused first."""
+        self._hashed.pop(request.request_id, None)
         for block in reversed(self._tables.pop(request.request_id, ())):
-            if self._is_free[block]:
+            if self._refs[block] <= 0:
                 raise RuntimeError(f"block {block} freed twice (request {request.request_id})")
-            self._is_free[block] = 1
-            self._free.append(block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None

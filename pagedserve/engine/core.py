@@ -48,6 +48,8 @@ class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineCore:
@@ -56,7 +58,7 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config)
         budget = self.runner.budget
-        self.pool = BlockPool(budget.num_blocks, config.block_size)
+        self.pool = BlockPool(budget.num_blocks, config.block_size, config.args.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill)
         self.counters = EngineCounters()
@@ -83,6 +85,8 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         sched = self.scheduler.schedule()
+        self.counters.prefix_cache_queries += sched.prefix_cache_queries
+        self.counters.prefix_cache_hits += sched.prefix_cache_hits
         if sched.is_empty:
             self.last_stats = self.scheduler.stats(sched)
             return []

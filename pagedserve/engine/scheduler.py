@@ -32,6 +32,8 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
+    prefix_cache_queries: int = 0   # prompt tokens of the requests admitted this step
+    prefix_cache_hits: int = 0      # of those, tokens found in the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -130,14 +132,19 @@ class Scheduler:
 
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                n = req.num_tokens - req.num_computed_tokens
+                req = self.waiting[0]  # new or preempted: nothing computed, no blocks held
+                cached = self.pool.lookup(req)
+                num_cached = len(cached) * self.pool.block_size
+                n = req.num_tokens - num_cached
                 if n > budget:
                     if not self.enable_chunked_prefill:
                         break
                     n = budget
-                if not self.pool.allocate_slots(req, n):
+                if not self.pool.allocate_slots(req, n, cached):
                     break
+                out.prefix_cache_queries += req.num_tokens
+                out.prefix_cache_hits += num_cached
+                req.num_computed_tokens = num_cached
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 if req.first_scheduled_time is None:

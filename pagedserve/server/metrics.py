@@ -43,6 +43,10 @@ class _EngineCollector:
         yield self._family(c, "vllm:num_preemptions", "Cumulative preemptions.", counters.num_preemptions)
         yield self._family(c, "vllm:prompt_tokens", "Prefill tokens processed.", counters.prompt_tokens)
         yield self._family(c, "vllm:generation_tokens", "Tokens generated.", counters.generation_tokens)
+        yield self._family(c, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                           counters.prefix_cache_queries)
+        yield self._family(c, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                           counters.prefix_cache_hits)
         yield self._family(g, "pagedserve:device_memory_used_bytes",
                            "Device memory this engine holds now (process RSS on CPU).", in_use)
         yield self._family(g, "pagedserve:device_memory_peak_bytes",
