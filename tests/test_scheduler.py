@@ -50,7 +50,7 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
     if not chunked:
         budget = max(budget, max_model_len)
     budget = max(budget, max_num_seqs)
-    pool = BlockPool(num_blocks, block_size, enable_prefix_caching=caching)
+    pool = BlockPool(num_blocks, block_size, -(-max_model_len // block_size), enable_prefix_caching=caching)
     sched = Scheduler(pool, max_num_seqs, budget, max_model_len, chunked)
     # prompts share prefixes (every one starts 0, 1, 2, ...), so the prefix cache is hit and blocks shared
     pending = [make_request(str(i), p, o) for i, (p, o, _) in enumerate(workload)]
@@ -88,7 +88,7 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
 
 
 def test_decode_first_then_fcfs_and_mixed_step():
-    pool = BlockPool(100, 4, enable_prefix_caching=False)
+    pool = BlockPool(100, 4, 16, enable_prefix_caching=False)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64, enable_chunked_prefill=True)
     a, b = make_request("a", 6, 5), make_request("b", 30, 5)
     sched.add_request(a)
@@ -103,7 +103,7 @@ def test_decode_first_then_fcfs_and_mixed_step():
 
 
 def test_token_budget_wins_over_sequence_cap():
-    pool = BlockPool(100, 4, enable_prefix_caching=False)
+    pool = BlockPool(100, 4, 16, enable_prefix_caching=False)
     sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=12, max_model_len=64, enable_chunked_prefill=False)
     for i in range(5):
         sched.add_request(make_request(str(i), 5, 3))
@@ -112,7 +112,7 @@ def test_token_budget_wins_over_sequence_cap():
 
 
 def test_preempts_most_recent_and_requeues_at_front():
-    pool = BlockPool(4, 4, enable_prefix_caching=False)  # 16 token slots
+    pool = BlockPool(4, 4, 4, enable_prefix_caching=False)  # 16 token slots
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=16, enable_chunked_prefill=True)
     a, b = make_request("a", 8, 8), make_request("b", 8, 8)
     sched.add_request(a)
@@ -125,7 +125,7 @@ def test_preempts_most_recent_and_requeues_at_front():
 
 
 def test_waiting_request_without_blocks_stops_admission():
-    pool = BlockPool(3, 4, enable_prefix_caching=False)
+    pool = BlockPool(3, 4, 3, enable_prefix_caching=False)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=12, enable_chunked_prefill=True)
     big, small = make_request("big", 12, 1), make_request("small", 2, 1)
     sched.add_request(make_request("first", 8, 4))
@@ -139,7 +139,7 @@ def test_waiting_request_without_blocks_stops_admission():
 
 
 def test_prefix_cache_hits_share_blocks_and_survive_the_first_request():
-    pool = BlockPool(20, 4)
+    pool = BlockPool(20, 4, 16)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=True)
     a = make_request("a", 10, 1)  # blocks [0-3] [4-7] full, [8-9] partial
     sched.add_request(a)
@@ -162,7 +162,7 @@ def test_prefix_cache_hits_share_blocks_and_survive_the_first_request():
 
 
 def test_a_full_prompt_hit_still_computes_its_last_token():
-    pool = BlockPool(10, 4)
+    pool = BlockPool(10, 4, 16)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=True)
     sched.add_request(make_request("a", 8, 1))
     sched.update_from_output(sched.schedule(), [1])

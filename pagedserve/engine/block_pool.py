@@ -13,19 +13,25 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 from pagedserve.engine.request import Request
 
 _ROOT = 0  # parent hash of a request's first block
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, max_blocks_per_request: int,
+                 enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.max_blocks_per_request = max_blocks_per_request
         self.enable_prefix_caching = enable_prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self._refs = [0] * num_blocks
-        self._tables: dict[str, list[int]] = {}
+        # block tables as fixed-width int32 rows (zero-padded), so a step stacks them without Python loops
+        self._tables: dict[str, np.ndarray] = {}
+        self._lens: dict[str, int] = {}
         # prefix cache: (parent hash, block tokens) -> block, and back
         self._cached: dict[tuple[int, tuple[int, ...]], int] = {}
         self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -41,7 +47,16 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
-        return self._tables.get(request_id, [])
+        n = self._lens.get(request_id, 0)
+        return self._tables[request_id][:n].tolist() if n else []
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return self._lens.get(request_id, 0)
+
+    def stacked_tables(self, request_ids: list[str]) -> np.ndarray:
+        """[len(request_ids), widest table] int32, zero-padded: the step's block tables."""
+        width = max(self._lens.get(r, 0) for r in request_ids)
+        return np.stack([self._tables[r] for r in request_ids])[:, :width]
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -68,13 +83,14 @@ class BlockPool:
         """Name the request's blocks that ``num_tokens`` computed tokens fill, so others can hit them."""
         table = self._tables[request.request_id]
         done, parent = self._hashed.get(request.request_id, (0, _ROOT))
-        full = min(num_tokens // self.block_size, len(table))
+        full = min(num_tokens // self.block_size, self._lens[request.request_id])
         tokens, bs = request.all_token_ids, self.block_size
         for i in range(done, full):
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
-            if key not in self._cached and table[i] not in self._key_of:
-                self._cached[key] = table[i]
-                self._key_of[table[i]] = key
+            block = int(table[i])
+            if key not in self._cached and block not in self._key_of:
+                self._cached[key] = block
+                self._key_of[block] = key
             parent = hash(key)
         self._hashed[request.request_id] = (max(done, full), parent)
 
@@ -84,26 +100,32 @@ class BlockPool:
         """Grow the request's table so ``num_new_tokens`` more tokens fit, first taking the ``cached``
         prefix blocks from ``lookup`` (for a request that holds no blocks yet). False, with nothing
         changed, if the pool has too few free blocks."""
-        table = self._tables.get(request.request_id, [])
-        held = len(table) + len(cached)
+        rid = request.request_id
+        held = self._lens.get(rid, 0) + len(cached)
         total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         need = max(0, -(-total // self.block_size) - held)
         revived = sum(1 for b in cached if self._refs[b] == 0)  # cached blocks now sitting in the free list
         if need + revived > len(self._free):
             return False
-        table = self._tables.setdefault(request.request_id, table)
+        table = self._tables.get(rid)
+        if table is None:
+            table = self._tables[rid] = np.zeros(self.max_blocks_per_request, dtype=np.int32)
+        n = self._lens.get(rid, 0)
         for block in cached:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
-            table.append(block)
+            table[n] = block
+            n += 1
         for _ in range(need):
             block, _ = self._free.popitem(last=False)
             key = self._key_of.pop(block, None)
             if key is not None:  # reused for new content: its old name no longer holds
                 del self._cached[key]
             self._refs[block] = 1
-            table.append(block)
+            table[n] = block
+            n += 1
+        self._lens[rid] = n
         if self.enable_prefix_caching:
             self._register_full_blocks(request, total)
         return True
@@ -112,7 +134,9 @@ class BlockPool:
         """Drop the request's references, tail first: the tail of a sequence is the least reusable, so
         among blocks freed together it is reused first."""
         self._hashed.pop(request.request_id, None)
-        for block in reversed(self._tables.pop(request.request_id, ())):
+        n = self._lens.pop(request.request_id, 0)
+        table = self._tables.pop(request.request_id, None)
+        for block in reversed(table[:n].tolist() if n else ()):
             if self._refs[block] <= 0:
                 raise RuntimeError(f"block {block} freed twice (request {request.request_id})")
             self._refs[block] -= 1

@@ -58,7 +58,8 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config)
         budget = self.runner.budget
-        self.pool = BlockPool(budget.num_blocks, config.block_size, config.args.enable_prefix_caching)
+        self.pool = BlockPool(budget.num_blocks, config.block_size, config.blocks_per_max_len_request,
+                              config.args.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill)
         self.counters = EngineCounters()

@@ -268,28 +268,28 @@ class ModelRunner:
         return meta
 
     def prepare(self, out: SchedulerOutput, pool: BlockPool) -> StepInputs:
-        """The step's token ids, positions, cache slots and block tables as arrays."""
-        bs = self.block_size
-        n = len(out.scheduled)
-        ids: list[int] = []
-        positions, sample_rows = [], []
-        query_lens = np.empty(n, dtype=np.int64)
-        tables = [pool.block_table(item.request.request_id) for item in out.scheduled]
-        table_arr = np.zeros((n, max(len(t) for t in tables)), dtype=np.int32)
-        for i, (item, table) in enumerate(zip(out.scheduled, tables)):
-            start, k = item.start, item.num_tokens
-            ids.extend(item.request.all_token_ids[start:start + k])
-            positions.append(np.arange(start, start + k))
-            query_lens[i] = k
-            table_arr[i, :len(table)] = table
-            if item.samples:
-                sample_rows.append(len(ids) - 1)
-        pos = np.concatenate(positions)
-        rows = np.repeat(np.arange(n), query_lens)
-        slots = table_arr[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        seq_lens = (np.fromiter((item.start for item in out.scheduled), dtype=np.int64, count=n) + query_lens)
-        return StepInputs(np.asarray(ids, dtype=np.int64), pos, slots, query_lens, seq_lens.astype(np.int32),
-                          table_arr, np.asarray(sample_rows, dtype=np.int64))
+        """The step's token ids, positions, cache slots and block tables as arrays (one Python pass over
+        the requests; tables come pre-laid-out from the pool)."""
+        bs, items = self.block_size, out.scheduled
+        n = len(items)
+        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
+        query_lens = np.fromiter((it.num_tokens for it in items), dtype=np.int64, count=n)
+        tables = pool.stacked_tables([it.request.request_id for it in items])
+        if (query_lens == 1).all():  # decode steps: one token each, at position start
+            ids = np.fromiter((it.request.all_token_ids[it.start] for it in items), dtype=np.int64, count=n)
+            pos, rows = starts, np.arange(n)
+        else:
+            chunks: list[int] = []
+            for it in items:
+                chunks.extend(it.request.all_token_ids[it.start:it.start + it.num_tokens])
+            ids = np.asarray(chunks, dtype=np.int64)
+            rows = np.repeat(np.arange(n), query_lens)
+            pos = np.arange(len(rows)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens) + starts[rows]
+        slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        ends = np.cumsum(query_lens) - 1
+        samples = np.fromiter((it.samples for it in items), dtype=bool, count=n)
+        return StepInputs(ids, pos, slots, query_lens, (starts + query_lens).astype(np.int32),
+                          np.ascontiguousarray(tables), ends[samples])
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs) -> torch.Tensor | None:
