@@ -50,9 +50,6 @@ class BlockPool:
         n = self._lens.get(request_id, 0)
         return self._tables[request_id][:n].tolist() if n else []
 
-    def num_blocks_of(self, request_id: str) -> int:
-        return self._lens.get(request_id, 0)
-
     def stacked_tables(self, request_ids: list[str]) -> np.ndarray:
         """[len(request_ids), widest table] int32, zero-padded: the step's block tables."""
         width = max(self._lens.get(r, 0) for r in request_ids)
