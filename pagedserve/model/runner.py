@@ -234,17 +234,19 @@ class ModelRunner:
         if bs is None or not inp.decode_only:
             return None
         st = self._static
-        host = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        st["ids"][:n].copy_(host(inp.ids))
-        st["pos"][:n].copy_(host(inp.positions))
-        st["slots"][:n].copy_(host(inp.slots))
+        st["ids"][:n].copy_(self._to_device(inp.ids))
+        st["pos"][:n].copy_(self._to_device(inp.positions))
+        st["slots"][:n].copy_(self._to_device(inp.slots))
         st["slots"][n:bs].fill_(self.trash_slot)
-        st["seq_lens"][:n].copy_(host(inp.seq_lens))
+        st["seq_lens"][:n].copy_(self._to_device(inp.seq_lens))
         st["seq_lens"][n:bs].zero_()
-        st["tables"][:n, :inp.tables.shape[1]].copy_(host(inp.tables))
+        st["tables"][:n, :inp.tables.shape[1]].copy_(self._to_device(inp.tables))
         graph, logits, _ = self._graphs[bs]
         graph.replay()
         return logits[:n]
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
 
     def device_memory(self) -> tuple[int, int]:
         """(bytes in use now, peak bytes) of this engine's device memory (process RSS on CPU)."""
@@ -260,9 +262,9 @@ class ModelRunner:
                   tables: np.ndarray) -> AttentionMetadata:
         starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=starts[1:])
-        host = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=slots, query_start_loc=host(starts), seq_lens=host(seq_lens), block_tables=host(tables),
+            slot_mapping=slots, query_start_loc=self._to_device(starts), seq_lens=self._to_device(seq_lens),
+            block_tables=self._to_device(tables),
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()), query_lens_cpu=query_lens)
         self.backend.prepare(meta, self.block_size)
         return meta
@@ -297,12 +299,11 @@ class ModelRunner:
         logits = self._replay_decode(inp)
         if logits is not None:
             return logits
-        host = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        meta = self._metadata(host(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
-        hidden = self.model(host(inp.ids), host(inp.positions), self.kv_caches, meta)
+        meta = self._metadata(self._to_device(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
+        hidden = self.model(self._to_device(inp.ids), self._to_device(inp.positions), self.kv_caches, meta)
         if not len(inp.sample_rows):
             return None
-        return self.model.compute_logits(hidden[host(inp.sample_rows)])
+        return self.model.compute_logits(hidden[self._to_device(inp.sample_rows)])
 
     def execute(self, out: SchedulerOutput, pool: BlockPool) -> SamplerOutput | None:
         """Run one scheduled step; return one sampled token per request whose ``samples`` is set."""

@@ -121,10 +121,6 @@ def _merge_segments(PartAcc, PartML, Out, tile_seq, query_start, stride_ot, stri
     tl.store(Out + row * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @dataclass
 class _Launch:
     tile_seq: torch.Tensor
@@ -153,7 +149,7 @@ class TritonAttentionBackend:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_sms = num_sms
         # a decode tile is one token: its G heads padded to the smallest dot the tensor cores take
-        self.decode_block_m = max(16, _next_pow2(self.G))
+        self.decode_block_m = max(16, triton.next_power_of_2(self.G))
         self.prefill_block_q = max(1, self.PREFILL_ROWS // self.G)
 
     def decode_segments(self, batch: int, max_seq_len: int) -> int:
@@ -161,7 +157,7 @@ class TritonAttentionBackend:
         programs = batch * self.num_kv_heads
         want = -(-2 * self.num_sms // programs)
         useful = -(-max_seq_len // (4 * self.TILE))  # at least 4 tiles a segment
-        return max(1, min(16, _next_pow2(min(want, useful))))
+        return max(1, min(16, triton.next_power_of_2(min(want, useful))))
 
     def make_state(self, dev, decode_seqs: np.ndarray, prefill_tiles: list[tuple[int, int]],
                    num_segments: int) -> TritonState:
@@ -172,7 +168,7 @@ class TritonAttentionBackend:
         if prefill_tiles:
             arr = np.asarray(prefill_tiles, dtype=np.int32).reshape(-1, 2)
             prefill = _Launch(to(arr[:, 0]), to(arr[:, 1]), self.prefill_block_q,
-                              max(16, _next_pow2(self.prefill_block_q * self.G)), 1)
+                              max(16, triton.next_power_of_2(self.prefill_block_q * self.G)), 1)
         part_acc = part_ml = None
         if decode is not None and num_segments > 1:
             n = len(decode_seqs)
@@ -207,9 +203,9 @@ class TritonAttentionBackend:
     def _launch(self, q, kv_cache, out, meta, st, launch: _Launch, scale):
         segs = launch.num_segments
         grid = (launch.tile_seq.shape[0], self.num_kv_heads, segs)
-        dummy = out if segs == 1 else None
+        split = segs > 1  # without segments the kernel writes `out` and never touches the partials
         _paged_attention[grid](
-            q, kv_cache, out, st.part_acc if segs > 1 else dummy, st.part_ml if segs > 1 else dummy,
+            q, kv_cache, out, st.part_acc if split else out, st.part_ml if split else out,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, launch.tile_seq, launch.tile_qoff,
             scale,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -217,7 +213,7 @@ class TritonAttentionBackend:
             G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             TILE=self.TILE, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, num_warps=self.NUM_WARPS,
         )
-        if segs > 1:
+        if split:
             _merge_segments[(launch.tile_seq.shape[0], self.num_heads)](
                 st.part_acc, st.part_ml, out, launch.tile_seq, meta.query_start_loc, out.stride(0), out.stride(1),
                 HEAD_DIM=self.head_dim, NUM_SEGMENTS=segs)
