@@ -121,9 +121,48 @@ async def until_disconnect(request: Request, coro):
     raise _Disconnected()
 
 
-def _held_back(finished: bool, stops: tuple[str, ...]) -> int:
-    """While a stop string may still be forming at the end of the text, do not stream those chars."""
-    return 0 if finished or not stops else max(len(s) for s in stops) - 1
+class _Cursor:
+    """How much of one choice's cumulative output a stream has already sent."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        # while a stop string may still be forming at the end of the text, those chars are held back
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = self.tokens = 0
+
+    def advance(self, out: RequestOutput) -> tuple[str, int] | None:
+        """(new text, index of the first new token), or None when there is nothing new to send."""
+        c = out.outputs[0]
+        end = max(len(c.text) - (0 if out.finished else self.hold), self.text)
+        if len(c.token_ids) == self.tokens and end == self.text and not out.finished:
+            return None
+        step = (c.text[self.text:end], self.tokens)
+        self.text, self.tokens = end, len(c.token_ids)
+        return step
+
+
+async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """SSE frames of ``events``, an in-stream error if one is raised (the status is already sent), [DONE]."""
+    try:
+        async for obj in events:
+            yield sse(obj)
+    except Exception as e:  # noqa: BLE001
+        yield sse(error_body(500, str(e), "InternalServerError"))
+    yield "data: [DONE]\n\n"
+
+
+async def final_outputs(request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput] | None:
+    """Each stream's finished output, in order; None if the client went away first (all are aborted)."""
+    async def collect():
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merged(streams):
+            if out.finished:
+                finals[i] = out
+        return [finals[i] for i in range(len(streams))]
+
+    try:
+        return await until_disconnect(request, collect())
+    except _Disconnected:
+        return None
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -236,39 +275,23 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
         if body.stream:
             async def events():
-                sent_text, sent_tok = [0] * len(streams), [0] * len(streams)
+                head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+                cursors = [_Cursor(stops) for _ in streams]
                 finals: dict[int, RequestOutput] = {}
-                try:
-                    async for i, out in merged(streams):
-                        c = out.outputs[0]
-                        end = len(c.text) - _held_back(out.finished, stops)
-                        if len(c.token_ids) == sent_tok[i] and end <= sent_text[i] and not out.finished:
-                            continue
-                        ch = choice(i, out, c.text[sent_text[i]:max(end, sent_text[i])], sent_tok[i])
-                        sent_text[i], sent_tok[i] = max(end, sent_text[i]), len(c.token_ids)
-                        if out.finished:
-                            finals[i] = out
-                        yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                   "choices": [ch]})
-                    if body.include_usage:
-                        yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                   "choices": [], "usage": _usage(finals.values())})
-                except Exception as e:  # noqa: BLE001 - reported in-stream, the status is already sent
-                    yield sse(error_body(500, str(e), "InternalServerError"))
-                yield "data: [DONE]\n\n"
+                async for i, out in merged(streams):
+                    step = cursors[i].advance(out)
+                    if step is None:
+                        continue
+                    if out.finished:
+                        finals[i] = out
+                    yield {**head, "choices": [choice(i, out, *step)]}
+                if body.include_usage:
+                    yield {**head, "choices": [], "usage": _usage(finals.values())}
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
-        async def collect():
-            finals: dict[int, RequestOutput] = {}
-            async for i, out in merged(streams):
-                if out.finished:
-                    finals[i] = out
-            return [finals[i] for i in range(len(streams))]
-
-        try:
-            finals = await until_disconnect(raw, collect())
-        except _Disconnected:
+        finals = await final_outputs(raw, streams)
+        if finals is None:
             return Response(status_code=499)
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [choice(i, out, out.outputs[0].text, 0) for i, out in enumerate(finals)],
@@ -290,40 +313,30 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if body.stream:
             async def events():
                 head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-                yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
-                sent_text = sent_tok = 0
-                final = None
-                try:
-                    async for _, out in merged(streams):
-                        c = out.outputs[0]
-                        end = max(len(c.text) - _held_back(out.finished, stops), sent_text)
-                        if len(c.token_ids) == sent_tok and end == sent_text and not out.finished:
-                            continue
-                        lp = _chat_logprobs(c, sent_tok, params.logprobs) if want_lp else None
-                        delta = {"content": c.text[sent_text:end]}
-                        sent_text, sent_tok = end, len(c.token_ids)
-                        final = out if out.finished else None
-                        yield sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
-                                                        "finish_reason": c.finish_reason if out.finished else None,
-                                                        "stop_reason": c.stop_reason if out.finished else None}]})
-                    if body.include_usage and final is not None:
-                        yield sse({**head, "choices": [], "usage": _usage([final])})
-                except Exception as e:  # noqa: BLE001
-                    yield sse(error_body(500, str(e), "InternalServerError"))
-                yield "data: [DONE]\n\n"
+                yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+                cursor, final = _Cursor(stops), None
+                async for _, out in merged(streams):
+                    step = cursor.advance(out)
+                    if step is None:
+                        continue
+                    c = out.outputs[0]
+                    text, first_tok = step
+                    final = out if out.finished else None
+                    yield {**head, "choices": [{
+                        "index": 0, "delta": {"content": text},
+                        "logprobs": _chat_logprobs(c, first_tok, params.logprobs) if want_lp else None,
+                        "finish_reason": c.finish_reason if out.finished else None,
+                        "stop_reason": c.stop_reason if out.finished else None}]}
+                if body.include_usage and final is not None:
+                    yield {**head, "choices": [], "usage": _usage([final])}
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
-        async def collect():
-            async for _, out in merged(streams):
-                if out.finished:
-                    return out
-
-        try:
-            out = await until_disconnect(raw, collect())
-        except _Disconnected:
+        finals = await final_outputs(raw, streams)
+        if finals is None:
             return Response(status_code=499)
+        out = finals[0]
         c = out.outputs[0]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
