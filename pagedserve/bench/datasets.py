@@ -72,8 +72,8 @@ def sharegpt_dataset(path: str, num_prompts: int, tokenizer=None, output_len: in
         if len(conv) < 2:
             continue
         prompt, reply = conv[0].get("value", ""), conv[1].get("value", "")
-        p_len = len(tokenizer.encode(prompt)) if tokenizer else max(1, len(prompt) // 4)
-        o_len = output_len or (len(tokenizer.encode(reply)) if tokenizer else max(1, len(reply) // 4))
+        p_len = _count_tokens(prompt, tokenizer)
+        o_len = output_len or _count_tokens(reply, tokenizer)
         if p_len < 4 or o_len < 4:  # vLLM drops very short pairs too
             continue
         samples.append(SampleRequest(prompt, p_len, o_len))
@@ -87,11 +87,8 @@ def sharegpt_dataset(path: str, num_prompts: int, tokenizer=None, output_len: in
 
 def custom_dataset(path: str, num_prompts: int, tokenizer=None, output_len: int = 256) -> list[SampleRequest]:
     """JSONL: one {"prompt": ..., "output_len": N} per line (output_len optional)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--dataset-path {path!r} is not a file.")
     samples = []
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -99,8 +96,7 @@ def custom_dataset(path: str, num_prompts: int, tokenizer=None, output_len: int 
             prompt = row["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ConfigError(f"--dataset-path {path}:{lineno}: expected a JSON object with a 'prompt' ({e}).") from e
-        p_len = len(prompt) if isinstance(prompt, list) else (
-            len(tokenizer.encode(prompt)) if tokenizer else max(1, len(prompt) // 4))
+        p_len = len(prompt) if isinstance(prompt, list) else _count_tokens(prompt, tokenizer)
         samples.append(SampleRequest(prompt, p_len, int(row.get("output_len", output_len))))
         if len(samples) == num_prompts:
             break
@@ -109,12 +105,22 @@ def custom_dataset(path: str, num_prompts: int, tokenizer=None, output_len: int 
     return samples
 
 
-def _read_json(path: str):
+def _count_tokens(text: str, tokenizer) -> int:
+    """Exact with a tokenizer; without one, ~4 characters a token (lengths only steer output sizes)."""
+    return len(tokenizer.encode(text)) if tokenizer else max(1, len(text) // 4)
+
+
+def _read_text(path: str) -> str:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--dataset-path {path!r} is not a file.")
+    return p.read_text()
+
+
+def _read_json(path: str):
+    text = _read_text(path)
     try:
-        return json.loads(p.read_text())
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"--dataset-path {path}: not valid JSON ({e}).") from e
 
