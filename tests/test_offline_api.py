@@ -156,3 +156,15 @@ def test_out_of_memory_in_a_step_names_the_flags(monkeypatch):
     msg = str(e.value)
     assert "--max-num-batched-tokens" in msg and "--gpu-memory-utilization" in msg and "Tried to allocate" in msg
     assert not llm.engine.has_unfinished_requests()  # the failed call leaves nothing behind
+
+
+def test_step_outputs_are_cumulative_or_final_only(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("streamed", [5, 6, 7], params)
+    engine.add_request("final", [5, 6, 7], params, final_only=True)
+    seen: dict[str, list[int]] = {"streamed": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(len(out.outputs[0].token_ids))
+    assert seen["streamed"] == [1, 2, 3, 4, 5] and seen["final"] == [5]

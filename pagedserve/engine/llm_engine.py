@@ -24,9 +24,10 @@ class EngineBase:
 class LLMEngine(EngineBase):
     """Everything in the caller's thread: add requests, then call ``step`` until none is unfinished."""
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, final_only: bool = False) -> None:
+        """``final_only``: ``step`` returns this request's output once, when it finishes."""
         request, text = self.inputs.make_request(request_id, prompt, params)
-        self.outputs.add(request, text)
+        self.outputs.add(request, text, final_only)
         self.core.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:

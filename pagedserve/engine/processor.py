@@ -112,6 +112,7 @@ class _State:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    final_only: bool = False  # report only the finished output (no per-step snapshot to build)
 
 
 class OutputProcessor:
@@ -122,7 +123,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, _State] = {}
 
-    def add(self, request: Request, prompt: str | None) -> None:
+    def add(self, request: Request, prompt: str | None, final_only: bool = False) -> None:
+        """``final_only``: the caller wants just the finished output (offline generate); otherwise every
+        step that changes a request yields its cumulative output (streaming)."""
         stream = None
         if self.tokenizer is not None:
             from tokenizers.decoders import DecodeStream
@@ -130,7 +133,8 @@ class OutputProcessor:
             # a few prompt tokens as context, so the first output token decodes with its leading space
             stream = DecodeStream(ids=request.prompt_token_ids[-4:],
                                   skip_special_tokens=request.sampling_params.skip_special_tokens)
-        state = _State(request, prompt, stream, RequestMetrics(arrival_time=request.arrival_time))
+        state = _State(request, prompt, stream, RequestMetrics(arrival_time=request.arrival_time),
+                       final_only=final_only)
         if request.sampling_params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.states[request.request_id] = state
@@ -155,7 +159,8 @@ class OutputProcessor:
                 self._flush(st)
                 m.finished_time = now
                 del self.states[out.request_id]
-            results.append(self._output(st, finished))
+            if finished or not st.final_only:
+                results.append(self._output(st, finished))
         return results, to_abort
 
     def _append_token(self, st: _State, out: CoreOutput, now: float) -> bool:

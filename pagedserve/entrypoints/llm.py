@@ -78,7 +78,8 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, dataclasses.replace(sp))
+                # only finished outputs are used: no per-step copies of each request's tokens
+                self.engine.add_request(rid, prompt, dataclasses.replace(sp), final_only=True)
                 ids.append(rid)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
