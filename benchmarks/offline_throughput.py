@@ -88,8 +88,8 @@ def run_hf(folder, prompts, outs) -> dict:
             "seconds": dt, "output_tok_per_s": tokens / dt}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload and engine flags, shared with profile_steps.py."""
     ap.add_argument("--model", default="Qwen/Qwen3-0.6B")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100)
@@ -102,6 +102,11 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--kv-cache-dtype", default="auto")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
     ap.add_argument("--hf-peer", action="store_true", help="also run transformers on the same weights")
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()

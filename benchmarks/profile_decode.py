@@ -1,7 +1,7 @@
 """Where decode time goes: a kernel-level profile of one eager decode step, and the paged-attention
 kernel alone at a few tile shapes with its achieved bandwidth.
 
-python benchmarks/profile_decode.py
+python benchmarks/profile_decode.py [--kernels-only]
 """
 
 from __future__ import annotations
@@ -40,26 +40,44 @@ def profile_step(model: str, batch: int, ctx: int) -> None:
     torch.cuda.empty_cache()
 
 
-def attention_alone(name, heads, kv_heads, batch, ctx) -> None:
+def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16) -> None:
+    """The decode kernel alone over tile sizes, pipelining depths and split factors: time and the
+    bandwidth it reaches on the K/V bytes it must read."""
     dev = torch.device("cuda")
     bs, d = 16, 128
     rng = np.random.default_rng(0)
     nblocks = batch * (-(-(ctx + 1) // bs)) + 4
-    cache = torch.randn((2, nblocks, bs, kv_heads, d), device=dev, dtype=torch.bfloat16)
+    cache = torch.randn((2, nblocks, bs, kv_heads, d), device=dev, dtype=torch.bfloat16).to(kv_dtype)
     q = torch.randn((batch, heads, d), device=dev, dtype=torch.bfloat16)
-    kv_bytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
-    for tile in (32, 64):
-        for warps in (4,):
-            be = TritonAttentionBackend(heads, kv_heads, d, torch.cuda.get_device_properties(dev).multi_processor_count)
-            be.TILE, be.NUM_WARPS = tile, warps
-            meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
-            be.prepare(meta, bs)
-            ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=200)
-            print(f"{name}: TILE {tile:3d} warps {warps}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s "
-                  f"(segments {meta.backend_state.decode.num_segments})")
+    kv_bytes = batch * (ctx + 1) * kv_heads * d * 2 * cache.element_size()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    results = []
+    for tile in (32, 64, 128):
+        for stages in (2, 3, 4):
+            for segs in (None, 2, 4):
+                be = TritonAttentionBackend(heads, kv_heads, d, sms)
+                be.TILE, be.NUM_STAGES = tile, stages
+                if segs is not None:
+                    be.decode_segments = lambda b, s, segs=segs: segs
+                meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
+                be.prepare(meta, bs)
+                ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=100)
+                results.append((ms, tile, stages, meta.backend_state.decode.num_segments))
+    results.sort()
+    print(f"\n== {name}, K/V {kv_dtype}: {kv_bytes / 2**30:.2f} GiB of K/V per call; fastest first")
+    for ms, tile, stages, segs in results[:6] + results[-2:]:
+        print(f"  TILE {tile:3d} stages {stages} segments {segs}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
+    default = [r for r in results if r[1] == TritonAttentionBackend.TILE and r[2] == TritonAttentionBackend.NUM_STAGES]
+    print(f"  current defaults (TILE {TritonAttentionBackend.TILE}, stages {TritonAttentionBackend.NUM_STAGES}): "
+          + ", ".join(f"segments {s}: {kv_bytes / ms / 1e6:.0f} GB/s" for ms, _, _, s in default))
 
 
 if __name__ == "__main__":
-    attention_alone("Qwen3-0.6B bs=256 ctx 800", 16, 8, 256, 800)
-    profile_step("Qwen/Qwen3-8B", 1, 1024)
-    profile_step("Qwen/Qwen3-0.6B", 256, 800)
+    kernels_only = "--kernels-only" in sys.argv
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+        attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, kv)
+        attention_alone("Qwen3-0.6B heads, 256 decodes at 800", 16, 8, 256, 800, kv)
+    attention_alone("Qwen3-8B heads, 1 decode at 1152", 32, 8, 1, 1152)
+    if not kernels_only:
+        profile_step("Qwen/Qwen3-8B", 1, 1024)
+        profile_step("Qwen/Qwen3-0.6B", 256, 800)

@@ -71,6 +71,25 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert llm.engine.core.pool.num_free_blocks == llm.engine.core.pool.num_blocks
 
 
+def test_requests_stopping_mid_batch_leave_the_others_unchanged(llm):
+    """A request stopped by a token has already been given the next step (one runs ahead on the device):
+    that step's token is dropped, and the rows of the others (tokens, logprobs) stay theirs."""
+    prompts = ["Hello world", "The scheduler", "Paris is"]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    stop_id = alone[1].token_ids[2]
+    stopping = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True, stop_token_ids=[stop_id])
+    together = [o.outputs[0] for o in llm.generate(prompts, [params, stopping, params], use_tqdm=False)]
+    cut = alone[1].token_ids.index(stop_id) + 1
+    assert together[1].token_ids == alone[1].token_ids[:cut] and together[1].finish_reason == "stop"
+    for got, want in zip([together[0], together[2]], [alone[0], alone[2]]):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert a.keys() == b.keys()
+            assert all(math.isclose(a[t].logprob, b[t].logprob, abs_tol=1e-4) for t in a)
+    assert llm.engine.core.pool.num_free_blocks == llm.engine.core.pool.num_blocks
+
+
 def test_eos_stops_unless_ignored(llm):
     eos = llm.engine.inputs.eos_token_ids[0]
     base = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]

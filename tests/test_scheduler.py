@@ -14,9 +14,9 @@ from pagedserve.engine.scheduler import Scheduler
 from pagedserve.sampling_params import SamplingParams
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
-    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   eos_token_ids=(), max_tokens=max_tokens)
+def make_request(rid: str, prompt_len: int, max_tokens: int, eos: tuple[int, ...] = ()) -> Request:
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=not eos),
+                   eos_token_ids=eos, max_tokens=max_tokens)
 
 
 def check_pool(pool: BlockPool, sched: Scheduler) -> None:
@@ -37,11 +37,13 @@ def check_pool(pool: BlockPool, sched: Scheduler) -> None:
 workload = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(0, 3)), min_size=1, max_size=25)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(workload=workload, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]),
        max_num_seqs=st.integers(1, 8), budget=st.integers(8, 64), chunked=st.booleans(),
-       caching=st.booleans(), seed=st.integers(0, 2**16))
-def test_random_workload_invariants(workload, num_blocks, block_size, max_num_seqs, budget, chunked, caching, seed):
+       caching=st.booleans(), overlap=st.booleans(), seed=st.integers(0, 2**16))
+def test_random_workload_invariants(workload, num_blocks, block_size, max_num_seqs, budget, chunked, caching,
+                                    overlap, seed):
+    """``overlap``: as the engine core runs it, step N+1 is scheduled before step N's tokens are in."""
     rng = random.Random(seed)
     max_model_len = 90
     # every request must fit alone in the cache, as the engine's start-up check guarantees
@@ -52,16 +54,25 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
     budget = max(budget, max_num_seqs)
     pool = BlockPool(num_blocks, block_size, -(-max_model_len // block_size), enable_prefix_caching=caching)
     sched = Scheduler(pool, max_num_seqs, budget, max_model_len, chunked)
-    # prompts share prefixes (every one starts 0, 1, 2, ...), so the prefix cache is hit and blocks shared
-    pending = [make_request(str(i), p, o) for i, (p, o, _) in enumerate(workload)]
+    # prompts share prefixes (every one starts 0, 1, 2, ...), so the prefix cache is hit and blocks shared;
+    # odd requests stop at token 13 (about one sampled token in 20)
+    pending = [make_request(str(i), p, o, eos=(13,) if i % 2 else ()) for i, (p, o, _) in enumerate(workload)]
+    by_id = {r.request_id: r for r in pending}
     arrivals = [a for _, _, a in workload]
     aborted: set[str] = set()
-    produced_tokens: dict[str, int] = {}
+    in_flight = None
+
+    def collect(step):
+        out, sampled = step
+        for _, req in sched.update_from_output(out, sampled):
+            assert req.num_pending_tokens >= 0
+        check_pool(pool, sched)
+
     for step in range(5000):
         while pending and arrivals[0] <= step % 4:
             sched.add_request(pending.pop(0))
             arrivals.pop(0)
-        if not pending and not sched.has_unfinished:
+        if not pending and not sched.has_unfinished and in_flight is None:
             break
         if sched.requests and rng.random() < 0.03:
             victim = rng.choice(list(sched.requests))
@@ -74,17 +85,32 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
         assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
         for s in out.scheduled:
             assert s.num_tokens >= 1
+            assert s.request.num_pending_tokens <= 2  # at most one step in flight besides this one
+            # never a step for a token beyond the request's length limits
+            total = s.request.num_tokens_with_pending
+            assert total - s.request.num_prompt_tokens <= s.request.max_tokens and total <= max_model_len
             if not chunked and s.start < s.request.num_prompt_tokens:
                 assert s.start + s.num_tokens == s.request.num_tokens  # the rest of the prompt at once
-        sampled = [rng.randrange(100) for s in out.scheduled if s.samples]
-        for req in sched.update_from_output(out, sampled):
-            produced_tokens[req.request_id] = req.num_output_tokens
-        check_pool(pool, sched)
+        launched = (out, [rng.choice([13] + list(range(20))) for s in out.scheduled if s.samples])
+        if overlap:
+            if in_flight is not None:
+                collect(in_flight)
+            in_flight = launched if out.scheduled else None
+        else:
+            collect(launched)
     assert not sched.has_unfinished
     assert pool.num_free_blocks == num_blocks
     for i, (p, o, _) in enumerate(workload):
-        if str(i) not in aborted:
-            assert produced_tokens[str(i)] == min(o, max_model_len - p)
+        req = by_id[str(i)]
+        assert req.num_pending_tokens == 0
+        if str(i) in aborted:
+            continue
+        if req.status == RequestStatus.FINISHED_STOPPED:
+            assert req.all_token_ids[-1] == 13 and 13 not in req.output_token_ids[:-1]
+        else:
+            assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+            assert req.num_output_tokens == min(o, max_model_len - p)
+            assert i % 2 == 0 or 13 not in req.output_token_ids
 
 
 def test_decode_first_then_fcfs_and_mixed_step():

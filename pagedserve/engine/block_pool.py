@@ -77,10 +77,11 @@ class BlockPool:
         return hits
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Name the request's blocks that ``num_tokens`` computed tokens fill, so others can hit them."""
+        """Name the request's blocks that ``num_tokens`` computed tokens fill, so others can hit them
+        (only blocks whose tokens are all known: a token still in flight is named a step later)."""
         table = self._tables[request.request_id]
         done, parent = self._hashed.get(request.request_id, (0, _ROOT))
-        full = min(num_tokens // self.block_size, self._lens[request.request_id])
+        full = min(min(num_tokens, request.num_tokens) // self.block_size, self._lens[request.request_id])
         tokens, bs = request.all_token_ids, self.block_size
         for i in range(done, full):
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))

@@ -2,6 +2,12 @@
 
 It knows nothing of text: tokenization, detokenization and stop strings live in the frontend
 (``pagedserve.engine.processor``), so that in the server they never hold up a step.
+
+Each ``step`` launches the next step before it waits for the one in flight: while the device runs
+step N+1, the host takes in step N's tokens, hands them to the frontend (detokenizing, streaming) and
+schedules and prepares step N+2. With one step in flight the device never waits for the host unless the
+host's work per step is longer than the device's. The price is that a request stopped by a token
+(EOS, a stop id or string) has already been given one more step, whose token is dropped.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.scheduler import Scheduler, SchedulerStats
-from pagedserve.model.runner import ModelRunner
+from pagedserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from pagedserve.model.runner import ModelRunner, PendingSamples
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +70,7 @@ class EngineCore:
                                    config.max_model_len, config.enable_chunked_prefill)
         self.counters = EngineCounters()
         self.last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self._in_flight: tuple[SchedulerOutput, PendingSamples | None] | None = None
         for line in budget.report_lines():
             logger.info(line)
         logger.info("init engine (load model, size KV cache) took %.2f seconds", time.perf_counter() - t0)
@@ -82,17 +89,25 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def step(self) -> list[CoreOutput]:
+        """Launch the next step, then return what the step launched before it produced."""
         sched = self.scheduler.schedule()
         self.counters.prefix_cache_queries += sched.prefix_cache_queries
         self.counters.prefix_cache_hits += sched.prefix_cache_hits
-        if sched.is_empty:
-            self.last_stats = self.scheduler.stats(sched)
-            return []
+        launched = None
+        if not sched.is_empty:
+            launched = (sched, self._launch(sched))
+            self.counters.num_preemptions += len(sched.preempted)
+            self.counters.num_steps += 1
+        self.last_stats = self.scheduler.stats(sched)
+        previous, self._in_flight = self._in_flight, launched
+        return self._collect(*previous) if previous is not None else []
+
+    def _launch(self, sched: SchedulerOutput) -> PendingSamples | None:
         try:
-            result = self.runner.execute(sched, self.pool)
+            return self.runner.execute(sched, self.pool)
         except torch.OutOfMemoryError as e:
             raise DeviceOOMError(
                 f"Out of device memory in a step of {sched.total_tokens} tokens over {len(sched.scheduled)} "
@@ -100,17 +115,14 @@ class EngineCore:
                 f"activations or workspaces outgrowing the headroom). Lower --max-num-batched-tokens (the "
                 f"activation peak) or --gpu-memory-utilization (more headroom); `pagedserve plan` shows the "
                 f"split. ({e})") from e
-        if result is None:
-            tokens, lp, lp_ids, ranks = [], None, None, None
-        else:
-            tokens = result.token_ids.tolist()  # the one host sync of the step
-            lp = result.logprobs.tolist() if result.logprobs is not None else None
-            lp_ids = result.logprob_ids.tolist() if result.logprob_ids is not None else None
-            ranks = result.ranks.tolist() if result.ranks is not None else None
+
+    def _collect(self, sched: SchedulerOutput, pending: PendingSamples | None) -> list[CoreOutput]:
+        """Wait for a launched step's tokens and turn them into outputs."""
+        tokens, lp, lp_ids, ranks = pending.wait() if pending is not None else ([], None, None, None)
         produced = self.scheduler.update_from_output(sched, tokens)
 
         outputs = []
-        for row, req in enumerate(produced):
+        for row, req in produced:
             n_lp = req.sampling_params.logprobs
             finished = req.status.finished
             out = CoreOutput(req.request_id, req.all_token_ids[-1],
@@ -125,7 +137,4 @@ class EngineCore:
         self.runner.release(o.request_id for o in outputs if o.finish_reason)
 
         self.counters.generation_tokens += len(produced)
-        self.counters.num_preemptions += len(sched.preempted)
-        self.counters.num_steps += 1
-        self.last_stats = self.scheduler.stats(sched)
         return outputs

@@ -31,7 +31,11 @@ class RequestStatus(enum.IntEnum):
 @dataclass(eq=False)
 class Request:
     """``num_computed_tokens`` chases ``num_tokens``: that one rule covers prefill chunks, decode and
-    recompute after preemption (vLLM V1's design: the scheduler has no prefill/decode phases)."""
+    recompute after preemption (vLLM V1's design: the scheduler has no prefill/decode phases).
+
+    The engine schedules a step while the previous one still runs on the device, so a request's newest
+    token may be sampled but not yet known on the host: ``num_pending_tokens`` counts those, and the
+    scheduler treats them as tokens (their values reach the model runner on the device)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -41,6 +45,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
@@ -57,6 +62,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Known tokens plus those a step in flight is sampling."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """The token a step in flight is sampling is the request's last by length: nothing to schedule."""
+        total = self.num_tokens_with_pending
+        return bool(self.num_pending_tokens) and (
+            total - self.num_prompt_tokens >= self.max_tokens or total >= max_model_len)
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,6 +5,12 @@ Each step has two budgets: at most ``max_num_seqs`` running requests and at most
 token, an unfinished prefill its next chunk); then waiting requests FCFS. Prefill and decode share the
 step. When a running request cannot get a block, the most recently admitted running request is
 preempted: its blocks are freed, it will be recomputed, and it goes back to the front of the queue.
+
+The engine schedules step N+1 while step N runs (so the host's work hides behind the device's): a
+request's token from step N is then pending. It is scheduled as the next decode input all the same
+(the runner takes its value from the device), a request whose pending token ends it by length is not
+scheduled again, and tokens that arrive for a request finished meanwhile (aborted, or stopped by the
+token before) are dropped.
 """
 
 from __future__ import annotations
@@ -116,7 +122,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.ends_in_flight(self.max_model_len):
+                i += 1
+                continue
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
             scheduled = True
             while not self.pool.allocate_slots(req, n):
                 victim = self.running.pop()
@@ -133,6 +142,8 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]  # new or preempted: nothing computed, no blocks held
+                if req.num_pending_tokens:  # preempted while its token was in flight: wait for it
+                    break
                 cached = self.pool.lookup(req)
                 num_cached = len(cached) * self.pool.block_size
                 n = req.num_tokens - num_cached
@@ -158,8 +169,9 @@ class Scheduler:
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
         start = req.num_computed_tokens
-        samples = start + n == req.num_tokens
+        samples = start + n == req.num_tokens_with_pending
         out.scheduled.append(ScheduledRequest(req, start, n, samples))
+        req.num_pending_tokens += samples
         if samples and n == 1 and start >= req.num_prompt_tokens:
             out.num_decode_tokens += 1
         else:
@@ -175,25 +187,30 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Append the sampled tokens (one per sampling request, in schedule order); return the
-        requests that produced a token this step. Finished ones leave the running list."""
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[int, Request]]:
+        """Append the sampled tokens (one per sampling request, in schedule order); return
+        (row in ``sampled``, request) for the requests that produced a token this step. Finished ones
+        leave the running (or, if preempted meanwhile, the waiting) list."""
         produced = []
-        tokens = iter(sampled)
         now = time.monotonic()
         any_finished = False
-        for item in out.scheduled:
-            if not item.samples:
-                continue
+        for row, (item, token) in enumerate(zip((it for it in out.scheduled if it.samples), sampled, strict=True)):
             req = item.request
-            req.append_token(next(tokens))
+            req.num_pending_tokens -= 1
+            if req.status.finished:  # aborted, or ended by its previous token, while this step ran
+                continue
+            req.append_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            produced.append(req)
+            produced.append((row, req))
+            was_waiting = req.status == RequestStatus.PREEMPTED
             if req.check_stop(self.max_model_len):
-                any_finished = True
                 del self.requests[req.request_id]
                 self.pool.free(req)
+                if was_waiting:
+                    self.waiting.remove(req)
+                else:
+                    any_finished = True
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
         return produced

@@ -48,6 +48,18 @@ class AttentionBackend(Protocol):
         q/k norms and rotary as ``layer.split_qkv`` does them, K/V written into ``kv_cache`` first."""
 
 
+def staged(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor ready to copy to ``device``: in pinned memory for a GPU, so that a
+    non-blocking copy queues behind the work already launched instead of waiting for it (a copy from
+    pageable memory may block until the stream drains, which would undo the overlap of host and device)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return staged(a, device).to(device, non_blocking=True)
+
+
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 

@@ -62,6 +62,13 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def broadcast_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``t`` into every rank's ``t`` (same shape and dtype everywhere)."""
+    if _GROUP.size > 1:
+        dist.broadcast(t, src=0)
+    return t
+
+
 def broadcast_object(obj=None):
     """Rank 0 sends ``obj``; every rank returns it."""
     box = [obj]

@@ -21,7 +21,7 @@ from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.memory import GiB, MemoryBudget, activation_peak_estimate, compute_budget, kv_heads_per_rank
 from pagedserve.model import parallel
-from pagedserve.model.attention import AttentionMetadata, get_attention_backend
+from pagedserve.model.attention import AttentionMetadata, get_attention_backend, staged, to_device
 from pagedserve.model.loader import build_model
 from pagedserve.model.sampler import SamplerOutput, SamplingBatch, sample
 
@@ -32,6 +32,30 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass
+class PendingSamples:
+    """A launched step's samples on their way to the host: the copies are queued behind the step, and
+    ``wait`` blocks only until they land (the one host sync of a step)."""
+
+    samples: SamplerOutput         # host tensors (pinned) once the copies complete
+    done: torch.cuda.Event | None  # None on the CPU, where the step has already run
+
+    @classmethod
+    def start(cls, result: SamplerOutput) -> PendingSamples:
+        if result.token_ids.device.type != "cuda":
+            return cls(result, None)
+        host = SamplerOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in result.fields()))
+        done = torch.cuda.Event()
+        done.record()
+        return cls(host, done)
+
+    def wait(self) -> tuple[list[int], list | None, list | None, list | None]:
+        """(token ids, logprobs, logprob ids, ranks) as lists."""
+        if self.done is not None:
+            self.done.synchronize()
+        return tuple(None if t is None else t.tolist() for t in self.samples.fields())
 
 
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -51,6 +75,8 @@ class StepInputs:
     seq_lens: np.ndarray     # [B] int32
     tables: np.ndarray       # [B, W] int32
     sample_rows: np.ndarray  # [S] int64: rows of the batch whose logits are sampled
+    fill_rows: np.ndarray    # [F] int64: entries of ``ids`` whose token the previous step is sampling ...
+    fill_from: np.ndarray    # [F] int64: ... and the row of that step's sampled tokens that holds it
 
     @property
     def decode_only(self) -> bool:
@@ -96,6 +122,9 @@ class ModelRunner:
         shape = (2, self.budget.num_blocks + 1, self.block_size, self.num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=config.kv_dtype, device=self.device) for _ in range(m.num_layers)]
         self._generators: dict[str, torch.Generator] = {}
+        # the last launched step's sampled tokens, still on the device, and each request's row in them
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         torch.manual_seed(config.args.seed)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
         if on_cuda and self.backend.name == "triton" and not config.args.enforce_eager:
@@ -227,26 +256,26 @@ class ModelRunner:
         logger.info("Graph capturing finished in %.1f secs, took %.2f GiB (%d decode batch sizes up to %d)",
                     time.perf_counter() - t0, used / GiB, len(sizes), top)
 
-    def _replay_decode(self, inp: StepInputs) -> torch.Tensor | None:
+    def _replay_decode(self, inp: StepInputs, fills: torch.Tensor | None) -> torch.Tensor | None:
         """Logits of an all-decode step through a captured graph, or None if the step does not fit one."""
         n = len(inp.query_lens)
         bs = min((b for b in self._graphs if b >= n), default=None)
         if bs is None or not inp.decode_only:
             return None
         st = self._static
-        st["ids"][:n].copy_(self._to_device(inp.ids))
-        st["pos"][:n].copy_(self._to_device(inp.positions))
-        st["slots"][:n].copy_(self._to_device(inp.slots))
+        for key, a in (("ids", inp.ids), ("pos", inp.positions), ("slots", inp.slots), ("seq_lens", inp.seq_lens)):
+            st[key][:n].copy_(staged(a, self.device), non_blocking=True)
+        st["tables"][:n, :inp.tables.shape[1]].copy_(staged(inp.tables, self.device), non_blocking=True)
         st["slots"][n:bs].fill_(self.trash_slot)
-        st["seq_lens"][:n].copy_(self._to_device(inp.seq_lens))
         st["seq_lens"][n:bs].zero_()
-        st["tables"][:n, :inp.tables.shape[1]].copy_(self._to_device(inp.tables))
+        if fills is not None:
+            st["ids"].index_copy_(0, self._to_device(inp.fill_rows), fills)
         graph, logits, _ = self._graphs[bs]
         graph.replay()
         return logits[:n]
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+        return to_device(a, self.device)
 
     def device_memory(self) -> tuple[int, int]:
         """(bytes in use now, peak bytes) of this engine's device memory (process RSS on CPU)."""
@@ -271,42 +300,65 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput, pool: BlockPool) -> StepInputs:
         """The step's token ids, positions, cache slots and block tables as arrays (one Python pass over
-        the requests; tables come pre-laid-out from the pool)."""
+        the requests; tables come pre-laid-out from the pool). A request's input that the previous step
+        is still sampling gets a placeholder and an entry in ``fill_rows``/``fill_from``."""
         bs, items = self.block_size, out.scheduled
         n = len(items)
         starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
         query_lens = np.fromiter((it.num_tokens for it in items), dtype=np.int64, count=n)
         tables = pool.stacked_tables([it.request.request_id for it in items])
+        ids: list[int] = []
+        fill_rows, fill_from = [], []
+        for it in items:
+            known = it.request.all_token_ids
+            end = it.start + it.num_tokens
+            ids.extend(known[it.start:end])
+            if end > len(known):  # only the last input can be in flight (one step runs at a time)
+                fill_rows.append(len(ids))
+                fill_from.append(self._last_rows[it.request.request_id])
+                ids.append(0)
         if (query_lens == 1).all():  # decode steps: one token each, at position start
-            ids = np.fromiter((it.request.all_token_ids[it.start] for it in items), dtype=np.int64, count=n)
             pos, rows = starts, np.arange(n)
         else:
-            chunks: list[int] = []
-            for it in items:
-                chunks.extend(it.request.all_token_ids[it.start:it.start + it.num_tokens])
-            ids = np.asarray(chunks, dtype=np.int64)
             rows = np.repeat(np.arange(n), query_lens)
             pos = np.arange(len(rows)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens) + starts[rows]
         slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
         ends = np.cumsum(query_lens) - 1
         samples = np.fromiter((it.samples for it in items), dtype=bool, count=n)
-        return StepInputs(ids, pos, slots, query_lens, (starts + query_lens).astype(np.int32),
-                          np.ascontiguousarray(tables), ends[samples])
+        return StepInputs(np.asarray(ids, dtype=np.int64), pos, slots, query_lens,
+                          (starts + query_lens).astype(np.int32), np.ascontiguousarray(tables), ends[samples],
+                          np.asarray(fill_rows, dtype=np.int64), np.asarray(fill_from, dtype=np.int64))
+
+    def _fills(self, inp: StepInputs) -> torch.Tensor | None:
+        """The in-flight input tokens, gathered on the device from the previous step's samples (rank 0
+        holds those and hands them to the other ranks)."""
+        if not len(inp.fill_rows):
+            return None
+        if parallel.tp().rank == 0:
+            fills = self._last_tokens[self._to_device(inp.fill_from)]
+        else:
+            fills = torch.empty(len(inp.fill_rows), dtype=torch.long, device=self.device)
+        return parallel.broadcast_tensor(fills)
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs) -> torch.Tensor | None:
         """Logits of the sampled rows (None if no row samples). Every rank runs it on the same inputs."""
-        logits = self._replay_decode(inp)
+        fills = self._fills(inp)
+        logits = self._replay_decode(inp, fills)
         if logits is not None:
             return logits
         meta = self._metadata(self._to_device(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
-        hidden = self.model(self._to_device(inp.ids), self._to_device(inp.positions), self.kv_caches, meta)
+        ids = self._to_device(inp.ids)
+        if fills is not None:
+            ids = ids.index_copy(0, self._to_device(inp.fill_rows), fills)
+        hidden = self.model(ids, self._to_device(inp.positions), self.kv_caches, meta)
         if not len(inp.sample_rows):
             return None
         return self.model.compute_logits(hidden[self._to_device(inp.sample_rows)])
 
-    def execute(self, out: SchedulerOutput, pool: BlockPool) -> SamplerOutput | None:
-        """Run one scheduled step; return one sampled token per request whose ``samples`` is set."""
+    def execute(self, out: SchedulerOutput, pool: BlockPool) -> PendingSamples | None:
+        """Launch one scheduled step without waiting for it; its sampled tokens (one per request whose
+        ``samples`` is set) come back through the returned handle."""
         inp = self.prepare(out, pool)
         if self._workers:
             dead = [w.name for w in self._workers if not w.is_alive()]
@@ -314,36 +366,40 @@ class ModelRunner:
                 raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} exited; see their log above")
             parallel.broadcast_object(inp)
         logits = self.forward(inp)
+        self._last_tokens, self._last_rows = None, {}
         if logits is None:
             return None
         with torch.inference_mode():
-            return sample(logits, self._sampling_batch(out))
+            result = sample(logits, self._sampling_batch(out))
+        self._last_tokens = result.token_ids
+        self._last_rows = {it.request.request_id: row for row, it in enumerate(i for i in out.scheduled if i.samples)}
+        return PendingSamples.start(result)
 
     def _sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
         params = [item.request for item in out.scheduled if item.samples]
         sp = [r.sampling_params for r in params]
-        greedy = [p.greedy for p in sp]
         num_logprobs = max((p.logprobs for p in sp if p.logprobs is not None), default=-1)
-        if all(greedy):  # the common benchmark case: no per-row tensors to build
+        if all(p.greedy for p in sp):  # the common benchmark case: no per-row tensors to build
             return SamplingBatch(None, None, None, None, None, [], True, num_logprobs)
         vocab = self.config.model.vocab_size
-        dev = self.device
-        top_k = [p.top_k if p.top_k > 0 else vocab for p in sp]
+        # rows: temperature (1 for greedy rows), greedy, top-k (vocab when off), top-p, min-p; one upload
+        table = np.array([(1.0 if p.greedy else p.temperature, p.greedy, p.top_k if p.top_k > 0 else vocab,
+                           p.top_p, p.min_p) for p in sp], dtype=np.float32).T
+        rows = self._to_device(table)
         gens: list[torch.Generator | None] = []
         for req, p in zip(params, sp):
             if p.seed is not None and not p.greedy:
                 gen = self._generators.get(req.request_id)
                 if gen is None:
-                    gen = self._generators[req.request_id] = torch.Generator(dev).manual_seed(p.seed)
+                    gen = self._generators[req.request_id] = torch.Generator(self.device).manual_seed(p.seed)
                 gens.append(gen)
             else:
                 gens.append(None)
         return SamplingBatch(
-            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, sp)], device=dev),
-            greedy=torch.tensor(greedy, device=dev),
-            top_k=torch.tensor(top_k, device=dev) if any(k < vocab for k in top_k) else None,
-            top_p=torch.tensor([p.top_p for p in sp], device=dev) if any(p.top_p < 1.0 for p in sp) else None,
-            min_p=torch.tensor([p.min_p for p in sp], device=dev) if any(p.min_p > 0.0 for p in sp) else None,
+            temperature=rows[0], greedy=rows[1] > 0,
+            top_k=rows[2].long() if (table[2] < vocab).any() else None,
+            top_p=rows[3] if (table[3] < 1.0).any() else None,
+            min_p=rows[4] if (table[4] > 0.0).any() else None,
             generators=gens, all_greedy=False, num_logprobs=num_logprobs)
 
     def release(self, request_ids) -> None:

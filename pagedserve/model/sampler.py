@@ -32,6 +32,9 @@ class SamplerOutput:
     logprob_ids: torch.Tensor | None = None  # [N, 1 + K] int64
     ranks: torch.Tensor | None = None        # [N] int64: rank of the sampled token (1 = most likely)
 
+    def fields(self) -> tuple[torch.Tensor | None, ...]:
+        return self.token_ids, self.logprobs, self.logprob_ids, self.ranks
+
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logits = logits.float()
@@ -40,14 +43,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = greedy_tokens
     else:
         probs = _filtered_probs(logits / batch.temperature.unsqueeze(1), batch)
-        q = torch.empty_like(probs)
-        for i, gen in enumerate(batch.generators):
+        q = torch.empty_like(probs).exponential_()
+        for i, gen in enumerate(batch.generators):  # seeded rows redraw from their own generator
             if gen is not None:
                 q[i].exponential_(generator=gen)
-        unseeded = [i for i, gen in enumerate(batch.generators) if gen is None]
-        if unseeded:
-            idx = torch.tensor(unseeded, device=q.device)
-            q[idx] = torch.empty((len(unseeded), q.shape[1]), device=q.device).exponential_()
         sampled = (probs / q).argmax(dim=-1)
         tokens = torch.where(batch.greedy, greedy_tokens, sampled)
     if batch.num_logprobs < 0:

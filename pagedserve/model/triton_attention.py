@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.model.attention import AttentionMetadata
+from pagedserve.model.attention import AttentionMetadata, to_device
 from pagedserve.model.fused import qkv_rope_store
 
 
@@ -143,6 +143,7 @@ class TritonAttentionBackend:
     TILE = 64  # keys per inner step; 64 measured best on the H200 (benchmarks/profile_decode.py)
     PREFILL_ROWS = 64
     NUM_WARPS = 4
+    NUM_STAGES = 3  # software-pipelining depth of the key loop (Triton's default)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132):
         self.G = num_heads // num_kv_heads
@@ -161,7 +162,7 @@ class TritonAttentionBackend:
 
     def make_state(self, dev, decode_seqs: np.ndarray, prefill_tiles: list[tuple[int, int]],
                    num_segments: int) -> TritonState:
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev, non_blocking=True)  # noqa: E731
+        to = lambda a: to_device(np.asarray(a, dtype=np.int32), dev)  # noqa: E731
         decode = prefill = None
         if len(decode_seqs):
             decode = _Launch(to(decode_seqs), to(np.zeros(len(decode_seqs))), 1, self.decode_block_m, num_segments)
@@ -212,6 +213,7 @@ class TritonAttentionBackend:
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
             G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             TILE=self.TILE, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, num_warps=self.NUM_WARPS,
+            num_stages=self.NUM_STAGES,
         )
         if split:
             _merge_segments[(launch.tile_seq.shape[0], self.num_heads)](
