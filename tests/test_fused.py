@@ -29,3 +29,40 @@ def test_silu_mul():
     x = torch.randn(3, 2 * 1500)
     gate, up = x.chunk(2, dim=-1)
     assert torch.allclose(fused.silu_mul(x), F.silu(gate) * up, atol=1e-6)
+
+
+def _softmax_frequencies(sampler, logits, inv_t, n):
+    """Token frequencies over ``n`` rows of the same logits with distinct noise keys."""
+    x = logits.repeat(n, 1)
+    tokens = sampler(x, torch.full((n,), inv_t), torch.arange(n) * 7919 + 1, torch.ones(n, dtype=torch.bool))
+    return torch.bincount(tokens, minlength=logits.shape[1]).float() / n
+
+
+@pytest.mark.parametrize("which", ["triton", "torch"])
+def test_gumbel_argmax_samples_the_softmax(which):
+    from pagedserve.model.sampler import gumbel_argmax_reference
+
+    sampler = fused.gumbel_argmax if which == "triton" else (
+        lambda x, t, seeds, noisy: gumbel_argmax_reference(x, t, seeds.tolist(), noisy))
+    logits = torch.tensor([[1.0, 2.0, 0.5, float("-inf"), 2.5, -1.0]])
+    freq = _softmax_frequencies(sampler, logits, 1 / 0.7, 800)  # deterministic keys: no flakiness
+    want = torch.softmax(logits / 0.7, dim=-1)[0]
+    assert freq[3] == 0  # a dropped (-inf) token is never drawn
+    assert (freq - want).abs().max() < 0.05, (freq, want)  # ~3 standard errors at 800 draws
+
+
+def test_gumbel_argmax_greedy_rows_and_noise_keys():
+    torch.manual_seed(0)
+    v = 3000  # several blocks, so the vocabulary is split over programs
+    x = torch.randn(4, v)
+    x[1, 17] = x[1, 2500] = 50.0  # a tie: the first index wins, as with torch.argmax
+    x[3] = x[0]
+    seeds = torch.tensor([5, 6, 7, 5])
+    noisy = torch.tensor([True, False, True, True])
+    got = fused.gumbel_argmax(x, torch.ones(4), seeds, noisy)
+    assert got[1] == 17
+    assert got[0] == got[3]  # same key, same logits: same token, whatever the row
+    # the noise is a function of (key, column): the split of the vocabulary does not change the draw
+    assert torch.equal(fused.gumbel_argmax(x, torch.ones(4), seeds, noisy, num_sms=1), got)
+    alone = fused.gumbel_argmax(x[2:3], torch.ones(1), seeds[2:3], noisy[2:3])
+    assert alone[0] == got[2]

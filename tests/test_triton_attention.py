@@ -94,6 +94,25 @@ def test_triton_matches_reference_on_mixed_batches(model_type, block_size, heads
     assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
 
 
+def test_triton_reads_an_fp8_cache_like_the_reference():
+    """fp8 keys/values (the kernel computes its dots in fp16, exact for e4m3 values) on one shared cache:
+    the read path alone, since the interpreter rounds fp32 -> fp8 writes its own way (the GPU's writes
+    are checked against torch's in benchmarks/gpu_check.py)."""
+    rng = np.random.default_rng(0)
+    heads, kv_heads, d, bs = 4, 2, 16, 16
+    qlens, ctx = [1, 1, 9], [40, 75, 12]
+    nblocks = sum(-(-(q + c) // bs) for q, c in zip(qlens, ctx)) + 2
+    cache = torch.randn((2, nblocks, bs, kv_heads, d), device=DEV).to(torch.float8_e4m3fn)
+    q = torch.randn((sum(qlens), heads, d), device=DEV)
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend(heads, kv_heads, d)):
+        meta, _ = make_batch(np.random.default_rng(1), qlens, ctx, bs, nblocks)
+        backend.prepare(meta, bs)
+        outs.append(backend.attend(q, cache, meta, d ** -0.5).float())
+    err = float((outs[1] - outs[0]).norm() / outs[0].norm())
+    assert err < 2e-3, err
+
+
 def test_engine_with_triton_backend_matches_torch_backend():
     from pagedserve import LLM, SamplingParams
 

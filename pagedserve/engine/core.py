@@ -84,7 +84,6 @@ class EngineCore:
 
     def abort(self, request_ids) -> list[CoreOutput]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        self.runner.release(r.request_id for r in finished)
         return [CoreOutput(r.request_id, None, "abort", num_preemptions=r.num_preemptions) for r in finished]
 
     @property
@@ -134,7 +133,6 @@ class EngineCore:
             outputs.append(out)
             if req.num_output_tokens == 1:
                 self.counters.prompt_tokens += req.num_prompt_tokens
-        self.runner.release(o.request_id for o in outputs if o.finish_reason)
 
         self.counters.generation_tokens += len(produced)
         return outputs

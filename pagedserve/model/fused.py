@@ -7,9 +7,11 @@ is as much as the weights take to read. These kernels do each group in one pass:
 - ``rms_norm``: (x + residual) -> RMSNorm, also returning the new residual;
 - ``qkv_rope_store``: split the fused qkv projection, q/k RMSNorm (Qwen3), rotary, store K and V into
   their cache slots, return the rotated queries;
-- ``silu_mul``: silu(gate) * up.
+- ``silu_mul``: silu(gate) * up;
+- ``gumbel_argmax``: sample every row of the logits in one read of them (Gumbel-max with counter-based
+  noise), instead of the half-dozen full-vocabulary passes of softmax, exponential draws and division.
 
-The torch versions in ``layers.py`` / ``decoder.py`` are the reference; tests/test_fused.py checks these
+The torch versions in ``layers.py`` / ``decoder.py`` / ``sampler.py`` are the reference; tests/test_fused.py checks these
 against them under TRITON_INTERPRET=1.
 """
 
@@ -147,3 +149,49 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         Q_POW2=triton.next_power_of_2(num_heads), KV_POW2=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, QK_NORM=q_norm is not None)
     return q
+
+
+@triton.jit
+def _gumbel_argmax(Logits, stride, InvT, Seeds, Noisy, PartVal, PartIdx, V, per_split,
+                   BLOCK: tl.constexpr):
+    """Program (row, split): the best of ``logits * inv_t + gumbel`` over one slice of the vocabulary.
+    The noise at column c is a function of (row seed, c) only, so it does not depend on the split."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    inv_t = tl.load(InvT + row)
+    seed = tl.load(Seeds + row)
+    noisy = tl.load(Noisy + row) != 0
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    lo = split * per_split
+    hi = tl.minimum(V, lo + per_split)
+    for start in range(lo, hi, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < hi
+        x = tl.load(Logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        if noisy:
+            u = tl.rand(seed, cols)  # [0, 1): -log(u) > 0, and u = 0 gives -inf (never chosen)
+            x = x - tl.log(-tl.log(u))
+        better = x > best  # strict: within a lane the first of equal values wins, as in torch.argmax
+        best = tl.where(better, x, best)
+        best_i = tl.where(better, cols, best_i)
+    m = tl.max(best, 0)
+    tl.store(PartVal + row * tl.num_programs(1) + split, m)
+    tl.store(PartIdx + row * tl.num_programs(1) + split, tl.min(tl.where(best == m, best_i, V), 0))
+
+
+def gumbel_argmax(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor,
+                  noisy: torch.Tensor, num_sms: int = 132) -> torch.Tensor:
+    """Per row: argmax(logits * inv_temperature + Gumbel noise keyed by the row's seed), or the plain
+    argmax where ``noisy`` is false. Splits the vocabulary so that even one row fills the GPU."""
+    n, v = logits.shape
+    block = 1024
+    splits = max(1, min(triton.cdiv(v, 8 * block), triton.cdiv(2 * num_sms, n)))
+    per_split = triton.cdiv(triton.cdiv(v, splits), block) * block
+    splits = triton.cdiv(v, per_split)
+    part_val = torch.empty((n, splits), dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty((n, splits), dtype=torch.int32, device=logits.device)
+    _gumbel_argmax[(n, splits)](logits, logits.stride(0), inv_temperature, seeds, noisy, part_val, part_idx,
+                                v, per_split, BLOCK=block)
+    # the first split holding the row's maximum: the smallest index among equal maxima, like torch.argmax
+    return part_idx.gather(1, part_val.argmax(1, keepdim=True)).squeeze(1).long()

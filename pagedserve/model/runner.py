@@ -58,6 +58,9 @@ class PendingSamples:
         return tuple(None if t is None else t.tolist() for t in self.samples.fields())
 
 
+_SEED_MASK = (1 << 63) - 1  # noise keys are non-negative int64
+
+
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:
     """Decode batch sizes that get a CUDA graph (the planner counts them too)."""
     top = min(max_num_seqs, 512)
@@ -121,7 +124,9 @@ class ModelRunner:
         self.trash_slot = self.budget.num_blocks * self.block_size
         shape = (2, self.budget.num_blocks + 1, self.block_size, self.num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=config.kv_dtype, device=self.device) for _ in range(m.num_layers)]
-        self._generators: dict[str, torch.Generator] = {}
+        # noise keys of unseeded sampled rows: (engine seed, step, row)
+        self._seed_base = config.args.seed
+        self._num_sampling_steps = 0
         # the last launched step's sampled tokens, still on the device, and each request's row in them
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -206,7 +211,7 @@ class ModelRunner:
         ones = torch.ones(seqs, device=self.device)
         batch = SamplingBatch(ones, torch.zeros(seqs, dtype=torch.bool, device=self.device),
                               torch.full((seqs,), 50, device=self.device), ones * 0.9, ones * 0.05,
-                              [None] * seqs, False, 5)
+                              torch.arange(seqs, device=self.device), list(range(seqs)), False, 5)
         sample(logits, batch)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
@@ -380,29 +385,22 @@ class ModelRunner:
         sp = [r.sampling_params for r in params]
         num_logprobs = max((p.logprobs for p in sp if p.logprobs is not None), default=-1)
         if all(p.greedy for p in sp):  # the common benchmark case: no per-row tensors to build
-            return SamplingBatch(None, None, None, None, None, [], True, num_logprobs)
+            return SamplingBatch(None, None, None, None, None, None, [], True, num_logprobs)
         vocab = self.config.model.vocab_size
         # rows: temperature (1 for greedy rows), greedy, top-k (vocab when off), top-p, min-p; one upload
         table = np.array([(1.0 if p.greedy else p.temperature, p.greedy, p.top_k if p.top_k > 0 else vocab,
                            p.top_p, p.min_p) for p in sp], dtype=np.float32).T
         rows = self._to_device(table)
-        gens: list[torch.Generator | None] = []
-        for req, p in zip(params, sp):
-            if p.seed is not None and not p.greedy:
-                gen = self._generators.get(req.request_id)
-                if gen is None:
-                    gen = self._generators[req.request_id] = torch.Generator(self.device).manual_seed(p.seed)
-                gens.append(gen)
-            else:
-                gens.append(None)
+        # a seeded request's noise is keyed by (its seed, the index of the token being sampled): the same
+        # token gets the same noise whatever the batch, and again when it is recomputed after preemption
+        self._num_sampling_steps += 1
+        step = (self._seed_base, self._num_sampling_steps)
+        seeds = [hash((p.seed, r.num_tokens_with_pending) if p.seed is not None else (*step, i)) & _SEED_MASK
+                 for i, (r, p) in enumerate(zip(params, sp))]
         return SamplingBatch(
             temperature=rows[0], greedy=rows[1] > 0,
             top_k=rows[2].long() if (table[2] < vocab).any() else None,
             top_p=rows[3] if (table[3] < 1.0).any() else None,
             min_p=rows[4] if (table[4] > 0.0).any() else None,
-            generators=gens, all_greedy=False, num_logprobs=num_logprobs)
-
-    def release(self, request_ids) -> None:
-        """Forget per-request state (sampling generators) of finished requests."""
-        for rid in request_ids:
-            self._generators.pop(rid, None)
+            seeds=self._to_device(np.array(seeds, dtype=np.int64)), seed_list=seeds, all_greedy=False,
+            num_logprobs=num_logprobs)

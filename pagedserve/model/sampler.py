@@ -1,7 +1,11 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs.
 
-Random rows use the Gumbel-max form ``argmax(p / q)`` with ``q ~ Exp(1)``: a seeded request draws its
-``q`` from its own generator, so its samples do not depend on what else is in the batch.
+Random rows use the Gumbel-max form: ``argmax(logits / T + g)`` with ``g = -log(-log u)``, ``u`` uniform,
+samples exactly from ``softmax(logits / T)``, and needs no softmax, only one read of the logits (on
+CUDA one fused kernel, ``fused.gumbel_argmax``). Top-k / top-p / min-p set the logits they drop to -inf
+first. Each row's noise is keyed by a seed the model runner derives from the request's seed and the
+index of the token being sampled, so a seeded request's samples do not depend on what else is in the
+batch, nor on preemption.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ class SamplingBatch:
     top_k: torch.Tensor | None       # [N] int64, vocab size for rows without top-k; None if no row uses it
     top_p: torch.Tensor | None       # [N] float32; None if no row uses it
     min_p: torch.Tensor | None       # [N] float32; None if no row uses it
-    generators: list[torch.Generator | None]
+    seeds: torch.Tensor | None       # [N] int64: each row's noise key
+    seed_list: list[int]             # the same keys on the host (the torch path draws from them)
     all_greedy: bool
     num_logprobs: int                # max top-N requested in the batch; -1: none
 
@@ -37,28 +42,36 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    logits = logits.float()
-    greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
-        tokens = greedy_tokens
+        tokens = logits.argmax(dim=-1)
     else:
-        probs = _filtered_probs(logits / batch.temperature.unsqueeze(1), batch)
-        q = torch.empty_like(probs).exponential_()
-        for i, gen in enumerate(batch.generators):  # seeded rows redraw from their own generator
-            if gen is not None:
-                q[i].exponential_(generator=gen)
-        sampled = (probs / q).argmax(dim=-1)
-        tokens = torch.where(batch.greedy, greedy_tokens, sampled)
+        x, inv_t = logits, 1.0 / batch.temperature
+        if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
+            x, inv_t = _filtered_logits(logits.float() * inv_t.unsqueeze(1), batch), torch.ones_like(inv_t)
+        if x.is_cuda:
+            from pagedserve.model import fused
+
+            tokens = fused.gumbel_argmax(x, inv_t, batch.seeds, ~batch.greedy)
+        else:
+            tokens = gumbel_argmax_reference(x, inv_t, batch.seed_list, ~batch.greedy)
     if batch.num_logprobs < 0:
         return SamplerOutput(tokens)
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_vals, top_ids = logprobs.topk(batch.num_logprobs, dim=-1)
     return SamplerOutput(tokens, torch.cat([chosen, top_vals], 1), torch.cat([tokens.unsqueeze(1), top_ids], 1), ranks)
 
 
-def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def gumbel_argmax_reference(x: torch.Tensor, inv_t: torch.Tensor, seeds: list[int], noisy: torch.Tensor) -> torch.Tensor:
+    """What ``fused.gumbel_argmax`` computes, with torch's generator as the uniform source."""
+    x = x.float() * inv_t.unsqueeze(1)
+    u = torch.stack([torch.rand(x.shape[1], generator=torch.Generator().manual_seed(s)) for s in seeds]).to(x.device)
+    return torch.where(noisy.unsqueeze(1), x - torch.log(-torch.log(u)), x).argmax(dim=-1)
+
+
+def _filtered_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature-scaled float32 logits with the tokens that top-k, top-p and min-p drop set to -inf."""
     if batch.top_k is not None or batch.top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
@@ -71,8 +84,8 @@ def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             drop |= before > batch.top_p.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
     if batch.min_p is not None:
+        probs = logits.softmax(dim=-1)
         threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits

@@ -33,7 +33,7 @@ def _paged_attention(
     scale,
     stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -54,6 +54,8 @@ def _paged_attention(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None], other=0.0)
+    if FP16_DOTS:  # an fp8 cache: e4m3 -> fp16 is one instruction per two values (-> bf16 is several)
+        q = q.to(tl.float16)
     qpos = ctx + tok
 
     kv_end = tl.minimum(seq_len, ctx + q_off + BLOCK_Q)
@@ -212,8 +214,8 @@ class TritonAttentionBackend:
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
             G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
-            TILE=self.TILE, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, num_warps=self.NUM_WARPS,
-            num_stages=self.NUM_STAGES,
+            TILE=self.TILE, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, FP16_DOTS=kv_cache.element_size() == 1,
+            num_warps=self.NUM_WARPS, num_stages=self.NUM_STAGES,
         )
         if split:
             _merge_segments[(launch.tile_seq.shape[0], self.num_heads)](
