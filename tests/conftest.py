@@ -13,6 +13,8 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:  # fp32 test shapes on a GPU: exact fp32 dots in the kernels, not TF32, like the torch reference
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 except ImportError:
     pass
 os.environ.setdefault("PAGEDSERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "pagedserve"))
