@@ -40,9 +40,14 @@ def profile_step(model: str, batch: int, ctx: int) -> None:
     torch.cuda.empty_cache()
 
 
+# (TILE, num_stages, segments (None: the backend's choice), warps)
+CONFIGS = [(t, st, sg, 4) for t in (64, 128) for st in (2, 3, 4) for sg in (None, 2)] + \
+          [(t, 3, None, w) for t in (64, 128) for w in (2, 8)]
+
+
 def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16) -> None:
-    """The decode kernel alone over tile sizes, pipelining depths and split factors: time and the
-    bandwidth it reaches on the K/V bytes it must read."""
+    """The decode kernel alone over tile sizes, pipelining depths, split factors and warps: time and
+    the bandwidth it reaches on the K/V bytes it must read."""
     dev = torch.device("cuda")
     bs, d = 16, 128
     rng = np.random.default_rng(0)
@@ -52,24 +57,21 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16) 
     kv_bytes = batch * (ctx + 1) * kv_heads * d * 2 * cache.element_size()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     results = []
-    for tile in (64, 128):
-        for stages in (2, 3, 4):
-            for segs in (None, 2):
-                be = TritonAttentionBackend(heads, kv_heads, d, sms)
-                be.TILE, be.NUM_STAGES = tile, stages
-                if segs is not None:
-                    be.decode_segments = lambda b, s, segs=segs: segs
-                meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
-                be.prepare(meta, bs)
-                ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=100)
-                results.append((ms, tile, stages, meta.backend_state.decode.num_segments))
+    for tile, stages, segs, warps in CONFIGS:
+        be = TritonAttentionBackend(heads, kv_heads, d, sms)
+        be.TILE = be.SPLIT_TILE = tile
+        be.NUM_STAGES, be.NUM_WARPS, be.FP8_DECODE_WARPS = stages, warps, warps
+        if segs is not None:
+            be.decode_segments = lambda b, s, segs=segs: segs
+        meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
+        be.prepare(meta, bs)
+        ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=100)
+        results.append((ms, tile, stages, meta.backend_state.decode.num_segments, warps))
     results.sort()
     print(f"\n== {name}, K/V {kv_dtype}: {kv_bytes / 2**30:.2f} GiB of K/V per call; fastest first")
-    for ms, tile, stages, segs in results[:4] + results[-1:]:
-        print(f"  TILE {tile:3d} stages {stages} segments {segs}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
-    default = [r for r in results if r[1] == TritonAttentionBackend.TILE and r[2] == TritonAttentionBackend.NUM_STAGES]
-    print(f"  current defaults (TILE {TritonAttentionBackend.TILE}, stages {TritonAttentionBackend.NUM_STAGES}): "
-          + ", ".join(f"segments {s}: {kv_bytes / ms / 1e6:.0f} GB/s" for ms, _, _, s in default))
+    for ms, tile, stages, segs, warps in results[:4] + results[-1:]:
+        print(f"  TILE {tile:3d} stages {stages} segments {segs} warps {warps}: {ms * 1000:8.1f} us, "
+              f"{kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
 if __name__ == "__main__":

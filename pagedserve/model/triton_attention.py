@@ -143,6 +143,7 @@ class TritonState:
 class TritonAttentionBackend:
     name = "triton"
     TILE = 64  # keys per inner step; 64 measured best on the H200 (benchmarks/profile_decode.py)
+    SPLIT_TILE = 128  # ... except for decodes split over segments: 1 decode at 1152, 17.5 vs ~28 us
     PREFILL_ROWS = 64
     NUM_WARPS = 4
     FP8_DECODE_WARPS = 2  # fp8 decode: 343 vs 397 us at 4 warps (Qwen3-8B heads, 256 x 1536, H200)
@@ -160,7 +161,7 @@ class TritonAttentionBackend:
         """Split long keys over programs when the batch alone cannot fill the GPU."""
         programs = batch * self.num_kv_heads
         want = -(-2 * self.num_sms // programs)
-        useful = -(-max_seq_len // (4 * self.TILE))  # at least 4 tiles a segment
+        useful = -(-max_seq_len // (4 * self.SPLIT_TILE))  # at least 4 tiles a segment
         return max(1, min(16, triton.next_power_of_2(min(want, useful))))
 
     def make_state(self, dev, decode_seqs: np.ndarray, prefill_tiles: list[tuple[int, int]],
@@ -206,6 +207,7 @@ class TritonAttentionBackend:
 
     def _launch(self, q, kv_cache, out, meta, st, launch: _Launch, scale):
         segs = launch.num_segments
+        tile = self.SPLIT_TILE if segs > 1 else self.TILE
         grid = (launch.tile_seq.shape[0], self.num_kv_heads, segs)
         split = segs > 1  # without segments the kernel writes `out` and never touches the partials
         fp8 = kv_cache.element_size() == 1
@@ -217,7 +219,7 @@ class TritonAttentionBackend:
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
             G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
-            TILE=self.TILE, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, FP16_DOTS=fp8,
+            TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, FP16_DOTS=fp8,
             num_warps=warps, num_stages=self.NUM_STAGES,
         )
         if split:
