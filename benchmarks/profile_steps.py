@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from offline_throughput import add_workload_args, workload  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.outputs import RequestOutputKind  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +43,8 @@ def main() -> None:
               max_num_batched_tokens=ns.max_num_batched_tokens, kv_cache_dtype=ns.kv_cache_dtype)
     engine = llm.engine
     for i, (p, o) in enumerate(zip(prompts, outs)):
-        engine.add_request(str(i), p, SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True), final_only=True)
+        engine.add_request(str(i), p, SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True),
+                           RequestOutputKind.FINAL_ONLY)
     for _ in range(ns.first_step):
         engine.step()
     cuda = torch.cuda.is_available()

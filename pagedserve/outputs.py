@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request holds (vLLM's names)."""
+
+    CUMULATIVE = enum.auto()  # everything so far, at every step
+    DELTA = enum.auto()       # only what is new since the last output (streaming without O(n^2) copies)
+    FINAL_ONLY = enum.auto()  # one output, when the request finishes
 
 
 @dataclass
@@ -41,3 +50,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default=None)
+
+
+def combine(deltas: list[RequestOutput]) -> RequestOutput:
+    """One request's DELTA outputs joined into the cumulative output they add up to."""
+    last = deltas[-1]
+    parts = [d.outputs[0] for d in deltas]
+    logprobs = None if parts[0].logprobs is None else [e for c in parts for e in c.logprobs]
+    c = last.outputs[0]
+    completion = CompletionOutput(c.index, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
+                                  c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason)
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [completion], last.finished, last.metrics)

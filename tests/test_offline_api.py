@@ -177,13 +177,37 @@ def test_out_of_memory_in_a_step_names_the_flags(monkeypatch):
     assert not llm.engine.has_unfinished_requests()  # the failed call leaves nothing behind
 
 
-def test_step_outputs_are_cumulative_or_final_only(llm):
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+def test_step_outputs_are_cumulative_delta_or_final_only(llm):
+    from pagedserve.outputs import RequestOutputKind, combine
+
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
     engine = llm.engine
-    engine.add_request("streamed", [5, 6, 7], params)
-    engine.add_request("final", [5, 6, 7], params, final_only=True)
-    seen: dict[str, list[int]] = {"streamed": [], "final": []}
+    prompt = llm.get_tokenizer().encode("Hello world")
+    engine.add_request("cumulative", prompt, params)
+    engine.add_request("delta", prompt, params, RequestOutputKind.DELTA)
+    engine.add_request("final", prompt, params, RequestOutputKind.FINAL_ONLY)
+    seen: dict[str, list] = {"cumulative": [], "delta": [], "final": []}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            seen[out.request_id].append(len(out.outputs[0].token_ids))
-    assert seen["streamed"] == [1, 2, 3, 4, 5] and seen["final"] == [5]
+            seen[out.request_id].append(out)
+    assert [len(o.outputs[0].token_ids) for o in seen["cumulative"]] == [1, 2, 3, 4, 5]
+    assert [len(o.outputs[0].token_ids) for o in seen["delta"]] == [1, 1, 1, 1, 1]
+    assert len(seen["final"]) == 1
+    full, joined = seen["final"][0].outputs[0], combine(seen["delta"]).outputs[0]
+    assert (joined.text, joined.token_ids, joined.finish_reason) == (full.text, full.token_ids, full.finish_reason)
+    assert [e.keys() for e in joined.logprobs] == [e.keys() for e in full.logprobs]
+
+
+def test_delta_outputs_hold_back_a_forming_stop_string(llm):
+    """A stream never sends text that a stop string then cuts off."""
+    from pagedserve.outputs import RequestOutputKind
+
+    base = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    stop = base[8:11]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    llm.engine.add_request("s", "Hello world", params, RequestOutputKind.DELTA)
+    pieces = []
+    while llm.engine.has_unfinished_requests():
+        pieces += [o.outputs[0].text for o in llm.engine.step()]
+    assert "".join(pieces) == base[:base.find(stop)]

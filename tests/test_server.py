@@ -129,6 +129,16 @@ def test_logprobs_in_both_apis(client):
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
     assert content[0].logprob == content[0].top_logprobs[0].logprob  # greedy: the sampled token ranks first
+    # streamed, each chunk carries its own tokens' logprobs; together they are the whole answer's
+    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0, logprobs=2,
+                                            stream=True))
+    streamed = [x for ch in chunks for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)  # a prefix-cache hit may round differently
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True))
+    streamed = [t.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert streamed == pytest.approx([t.logprob for t in content], abs=1e-4)
 
 
 def test_stop_strings_are_never_streamed(client):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.processor import InputProcessor, OutputProcessor, Prompt, load_tokenizer
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -24,10 +24,11 @@ class EngineBase:
 class LLMEngine(EngineBase):
     """Everything in the caller's thread: add requests, then call ``step`` until none is unfinished."""
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, final_only: bool = False) -> None:
-        """``final_only``: ``step`` returns this request's output once, when it finishes."""
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """``output_kind``: what each of this request's outputs from ``step`` holds."""
         request, text = self.inputs.make_request(request_id, prompt, params)
-        self.outputs.add(request, text, final_only)
+        self.outputs.add(request, text, output_kind)
         self.core.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:

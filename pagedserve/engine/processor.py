@@ -12,7 +12,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core import CoreOutput
 from pagedserve.engine.request import Request
 from pagedserve.errors import ConfigError, InvalidRequestError
-from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -112,7 +112,10 @@ class _State:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    final_only: bool = False  # report only the finished output (no per-step snapshot to build)
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    hold: int = 0          # DELTA: trailing chars held back while a stop string may still be forming
+    sent_text: int = 0     # DELTA: chars and tokens already handed out
+    sent_tokens: int = 0
 
 
 class OutputProcessor:
@@ -123,9 +126,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, _State] = {}
 
-    def add(self, request: Request, prompt: str | None, final_only: bool = False) -> None:
-        """``final_only``: the caller wants just the finished output (offline generate); otherwise every
-        step that changes a request yields its cumulative output (streaming)."""
+    def add(self, request: Request, prompt: str | None,
+            kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """``kind``: FINAL_ONLY for offline generate, DELTA for the server's streams (each output
+        carries only what is new, so a long stream costs no per-step copy of everything before)."""
         stream = None
         if self.tokenizer is not None:
             from tokenizers.decoders import DecodeStream
@@ -133,8 +137,9 @@ class OutputProcessor:
             # a few prompt tokens as context, so the first output token decodes with its leading space
             stream = DecodeStream(ids=request.prompt_token_ids[-4:],
                                   skip_special_tokens=request.sampling_params.skip_special_tokens)
-        state = _State(request, prompt, stream, RequestMetrics(arrival_time=request.arrival_time),
-                       final_only=final_only)
+        stops = request.sampling_params.stop_strings
+        state = _State(request, prompt, stream, RequestMetrics(arrival_time=request.arrival_time), kind=kind,
+                       hold=max((len(s) for s in stops), default=1) - 1)
         if request.sampling_params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.states[request.request_id] = state
@@ -159,7 +164,11 @@ class OutputProcessor:
                 self._flush(st)
                 m.finished_time = now
                 del self.states[out.request_id]
-            if finished or not st.final_only:
+            if st.kind is RequestOutputKind.DELTA:
+                delta = self._delta(st, finished)
+                if delta is not None:
+                    results.append(delta)
+            elif finished or st.kind is RequestOutputKind.CUMULATIVE:
                 results.append(self._output(st, finished))
         return results, to_abort
 
@@ -210,6 +219,21 @@ class OutputProcessor:
     def _output(self, st: _State, finished: bool) -> RequestOutput:
         completion = CompletionOutput(0, st.text, list(st.token_ids), st.cumulative_logprob,
                                       st.logprobs, st.finish_reason, st.stop_reason)
+        return RequestOutput(st.request.request_id, st.prompt, st.request.prompt_token_ids,
+                             [completion], finished, st.metrics)
+
+    def _delta(self, st: _State, finished: bool) -> RequestOutput | None:
+        """What is new since the last output; text that might still become part of a stop string waits
+        (a stop string cuts the text at its start, which is never before what was already sent)."""
+        end = len(st.text) if finished else max(st.sent_text, len(st.text) - st.hold)
+        n = len(st.token_ids)
+        if not finished and n == st.sent_tokens and end == st.sent_text:
+            return None
+        completion = CompletionOutput(0, st.text[st.sent_text:end], st.token_ids[st.sent_tokens:],
+                                      st.cumulative_logprob,
+                                      None if st.logprobs is None else st.logprobs[st.sent_tokens:],
+                                      st.finish_reason, st.stop_reason)
+        st.sent_text, st.sent_tokens = end, n
         return RequestOutput(st.request.request_id, st.prompt, st.request.prompt_token_ids,
                              [completion], finished, st.metrics)
 

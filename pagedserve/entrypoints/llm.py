@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
@@ -79,7 +79,7 @@ class LLM:
             for prompt, sp in zip(prompts, params):
                 rid = str(next(self._ids))
                 # only finished outputs are used: no per-step copies of each request's tokens
-                self.engine.add_request(rid, prompt, dataclasses.replace(sp), final_only=True)
+                self.engine.add_request(rid, prompt, dataclasses.replace(sp), RequestOutputKind.FINAL_ONLY)
                 ids.append(rid)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagedserve
 from pagedserve.errors import InvalidRequestError
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import RequestOutput, combine
 from pagedserve.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -121,25 +121,6 @@ async def until_disconnect(request: Request, coro):
     raise _Disconnected()
 
 
-class _Cursor:
-    """How much of one choice's cumulative output a stream has already sent."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        # while a stop string may still be forming at the end of the text, those chars are held back
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = self.tokens = 0
-
-    def advance(self, out: RequestOutput) -> tuple[str, int] | None:
-        """(new text, index of the first new token), or None when there is nothing new to send."""
-        c = out.outputs[0]
-        end = max(len(c.text) - (0 if out.finished else self.hold), self.text)
-        if len(c.token_ids) == self.tokens and end == self.text and not out.finished:
-            return None
-        step = (c.text[self.text:end], self.tokens)
-        self.text, self.tokens = end, len(c.token_ids)
-        return step
-
-
 async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     """SSE frames of ``events``, an in-stream error if one is raised (the status is already sent), [DONE]."""
     try:
@@ -153,11 +134,10 @@ async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
 async def final_outputs(request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput] | None:
     """Each stream's finished output, in order; None if the client went away first (all are aborted)."""
     async def collect():
-        finals: dict[int, RequestOutput] = {}
+        deltas: list[list[RequestOutput]] = [[] for _ in streams]
         async for i, out in merged(streams):
-            if out.finished:
-                finals[i] = out
-        return [finals[i] for i in range(len(streams))]
+            deltas[i].append(out)
+        return [combine(d) for d in deltas]
 
     try:
         return await until_disconnect(request, collect())
@@ -265,28 +245,24 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         params = body.sampling_params()
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         streams = start(rid, body.prompts(), params)
-        stops = params.stop_strings
 
-        def choice(i: int, out: RequestOutput, text: str, first_tok: int) -> dict:
+        def choice(i: int, out: RequestOutput) -> dict:
             c = out.outputs[0]
-            return {"index": i, "text": text, "logprobs": _completion_logprobs(c, first_tok, params.logprobs),
+            return {"index": i, "text": c.text, "logprobs": _completion_logprobs(c, params.logprobs),
                     "finish_reason": c.finish_reason if out.finished else None,
                     "stop_reason": c.stop_reason if out.finished else None}
 
         if body.stream:
             async def events():
                 head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-                cursors = [_Cursor(stops) for _ in streams]
-                finals: dict[int, RequestOutput] = {}
+                prompt_tokens, completion_tokens = 0, 0
                 async for i, out in merged(streams):
-                    step = cursors[i].advance(out)
-                    if step is None:
-                        continue
+                    completion_tokens += len(out.outputs[0].token_ids)
                     if out.finished:
-                        finals[i] = out
-                    yield {**head, "choices": [choice(i, out, *step)]}
+                        prompt_tokens += len(out.prompt_token_ids)
+                    yield {**head, "choices": [choice(i, out)]}
                 if body.include_usage:
-                    yield {**head, "choices": [], "usage": _usage(finals.values())}
+                    yield {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
 
             return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
@@ -294,8 +270,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if finals is None:
             return Response(status_code=499)
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [choice(i, out, out.outputs[0].text, 0) for i, out in enumerate(finals)],
-                "usage": _usage(finals)}
+                "choices": [choice(i, out) for i, out in enumerate(finals)], "usage": _usage_of(finals)}
 
     # ---------------------------------------------------------------- chat
 
@@ -307,7 +282,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         prompt = engine.inputs.apply_chat_template(messages, **(body.chat_template_kwargs or {}))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         streams = start(rid, [prompt], params)
-        stops = params.stop_strings
         want_lp = params.logprobs is not None
 
         if body.stream:
@@ -315,21 +289,18 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
                 yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]}
-                cursor, final = _Cursor(stops), None
+                completion_tokens, final = 0, None
                 async for _, out in merged(streams):
-                    step = cursor.advance(out)
-                    if step is None:
-                        continue
                     c = out.outputs[0]
-                    text, first_tok = step
+                    completion_tokens += len(c.token_ids)
                     final = out if out.finished else None
                     yield {**head, "choices": [{
-                        "index": 0, "delta": {"content": text},
-                        "logprobs": _chat_logprobs(c, first_tok, params.logprobs) if want_lp else None,
+                        "index": 0, "delta": {"content": c.text},
+                        "logprobs": _chat_logprobs(c, params.logprobs) if want_lp else None,
                         "finish_reason": c.finish_reason if out.finished else None,
                         "stop_reason": c.stop_reason if out.finished else None}]}
                 if body.include_usage and final is not None:
-                    yield {**head, "choices": [], "usage": _usage([final])}
+                    yield {**head, "choices": [], "usage": _usage(len(final.prompt_token_ids), completion_tokens)}
 
             return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
@@ -340,9 +311,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         c = out.outputs[0]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": _chat_logprobs(c, 0, params.logprobs) if want_lp else None,
+                             "logprobs": _chat_logprobs(c, params.logprobs) if want_lp else None,
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
-                "usage": _usage([out])}
+                "usage": _usage_of([out])}
 
     # ---------------------------------------------------------------- the rest
 
@@ -391,10 +362,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _usage(finals) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _usage_of(finals: list[RequestOutput]) -> dict:
+    return _usage(sum(len(o.prompt_token_ids) for o in finals), sum(len(o.outputs[0].token_ids) for o in finals))
 
 
 def _top(entry: dict, n: int) -> list:
@@ -402,19 +375,19 @@ def _top(entry: dict, n: int) -> list:
     return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= n), key=lambda lp: lp.rank)
 
 
-def _completion_logprobs(c, start: int, n: int | None) -> dict | None:
+def _completion_logprobs(c, n: int | None) -> dict | None:
     if c.logprobs is None:
         return None
-    pairs = list(zip(c.token_ids[start:], c.logprobs[start:]))
+    pairs = list(zip(c.token_ids, c.logprobs))
     return {"tokens": [e[t].decoded_token for t, e in pairs],
             "token_logprobs": [e[t].logprob for t, e in pairs],
             "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, n)} for _, e in pairs]}
 
 
-def _chat_logprobs(c, start: int, n: int | None) -> dict | None:
+def _chat_logprobs(c, n: int | None) -> dict | None:
     if c.logprobs is None:
         return None
     return {"content": [
         {"token": e[t].decoded_token, "logprob": e[t].logprob,
          "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob} for lp in _top(e, n)]}
-        for t, e in zip(c.token_ids[start:], c.logprobs[start:])]}
+        for t, e in zip(c.token_ids, c.logprobs)]}

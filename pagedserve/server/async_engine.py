@@ -25,7 +25,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core import CoreOutput
 from pagedserve.engine.llm_engine import EngineBase
 from pagedserve.engine.request import Request
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -140,14 +140,15 @@ class AsyncEngine(EngineBase):
 
     def add(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
         """Admit a request (from ``self.inputs.make_request``, so bad input fails before a response
-        starts) and return the stream of its cumulative outputs, one per step, until it finishes.
+        starts) and return the stream of its outputs, each holding only what is new (DELTA), until it
+        finishes.
         The request counts as in flight from here until it finishes or its stream is closed early (a
         client that went away), which aborts it and frees its KV blocks."""
         if self.dead is not None:
             raise EngineDeadError(f"The engine stopped: {self.dead!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = q
-        self.outputs.add(request, text)
+        self.outputs.add(request, text, RequestOutputKind.DELTA)
         self._inbox.put(_Add(request))
         return self._stream(request.request_id, q)
 

@@ -84,22 +84,22 @@ class ServerMetrics:
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue = hist("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
-        self._last_token: dict[str, tuple[int, float]] = {}
+        self._last_token: dict[str, float] = {}  # request -> time of its last token
 
     def observe(self, results: list[RequestOutput]) -> None:
         """Called on the loop with each step's outputs."""
-        for res in results:
+        for res in results:  # DELTA outputs: each with tokens carries this step's new one
             m = res.metrics
-            n = len(res.outputs[0].token_ids)
+            new = bool(res.outputs[0].token_ids)
             prev = self._last_token.get(res.request_id)
-            if n and prev is None:
+            if new and prev is None:
                 self.ttft.observe(m.first_token_time - m.arrival_time)
                 if m.first_scheduled_time is not None:
                     self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-            elif prev is not None and n > prev[0]:
-                self.itl.observe(m.last_token_time - prev[1])
-            if n:
-                self._last_token[res.request_id] = (n, m.last_token_time)
+            elif new:
+                self.itl.observe(m.last_token_time - prev)
+            if new:
+                self._last_token[res.request_id] = m.last_token_time
             if res.finished:
                 self._last_token.pop(res.request_id, None)
                 reason = res.outputs[0].finish_reason or "abort"
