@@ -98,7 +98,6 @@ def test_triton_reads_an_fp8_cache_like_the_reference():
     """fp8 keys/values (the kernel computes its dots in fp16, exact for e4m3 values) on one shared cache:
     the read path alone, since the interpreter rounds fp32 -> fp8 writes its own way (the GPU's writes
     are checked against torch's in benchmarks/gpu_check.py)."""
-    rng = np.random.default_rng(0)
     heads, kv_heads, d, bs = 4, 2, 16, 16
     qlens, ctx = [1, 1, 9], [40, 75, 12]
     nblocks = sum(-(-(q + c) // bs) for q, c in zip(qlens, ctx)) + 2
