@@ -216,9 +216,12 @@ class OutputProcessor:
     def _piece(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(token_id)
 
-    def _output(self, st: _State, finished: bool) -> RequestOutput:
-        completion = CompletionOutput(0, st.text, list(st.token_ids), st.cumulative_logprob,
-                                      st.logprobs, st.finish_reason, st.stop_reason)
+    def _output(self, st: _State, finished: bool, text_from: int = 0, text_to: int | None = None,
+                tokens_from: int = 0) -> RequestOutput:
+        """The output from the given offsets on: everything (CUMULATIVE, FINAL_ONLY) or what is new (DELTA)."""
+        completion = CompletionOutput(0, st.text[text_from:text_to], st.token_ids[tokens_from:], st.cumulative_logprob,
+                                      None if st.logprobs is None else st.logprobs[tokens_from:],
+                                      st.finish_reason, st.stop_reason)
         return RequestOutput(st.request.request_id, st.prompt, st.request.prompt_token_ids,
                              [completion], finished, st.metrics)
 
@@ -229,13 +232,9 @@ class OutputProcessor:
         n = len(st.token_ids)
         if not finished and n == st.sent_tokens and end == st.sent_text:
             return None
-        completion = CompletionOutput(0, st.text[st.sent_text:end], st.token_ids[st.sent_tokens:],
-                                      st.cumulative_logprob,
-                                      None if st.logprobs is None else st.logprobs[st.sent_tokens:],
-                                      st.finish_reason, st.stop_reason)
+        out = self._output(st, finished, st.sent_text, end, st.sent_tokens)
         st.sent_text, st.sent_tokens = end, n
-        return RequestOutput(st.request.request_id, st.prompt, st.request.prompt_token_ids,
-                             [completion], finished, st.metrics)
+        return out
 
     def abort(self, request_id: str) -> None:
         self.states.pop(request_id, None)

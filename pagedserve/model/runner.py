@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.engine.block_pool import BlockPool
+from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.memory import GiB, MemoryBudget, activation_peak_estimate, compute_budget, kv_heads_per_rank
 from pagedserve.model import parallel
@@ -374,14 +375,15 @@ class ModelRunner:
         self._last_tokens, self._last_rows = None, {}
         if logits is None:
             return None
+        sampled = [it.request for it in out.scheduled if it.samples]
         with torch.inference_mode():
-            result = sample(logits, self._sampling_batch(out))
+            result = sample(logits, self._sampling_batch(sampled))
         self._last_tokens = result.token_ids
-        self._last_rows = {it.request.request_id: row for row, it in enumerate(i for i in out.scheduled if i.samples)}
+        self._last_rows = {r.request_id: row for row, r in enumerate(sampled)}
         return PendingSamples.start(result)
 
-    def _sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
-        params = [item.request for item in out.scheduled if item.samples]
+    def _sampling_batch(self, params: list[Request]) -> SamplingBatch:
+        """Per-row sampling parameters of the requests that sample this step, in row order."""
         sp = [r.sampling_params for r in params]
         num_logprobs = max((p.logprobs for p in sp if p.logprobs is not None), default=-1)
         if all(p.greedy for p in sp):  # the common benchmark case: no per-row tensors to build
