@@ -1,6 +1,12 @@
-"""Skinny GEMMs at decode batch sizes: pagedserve's Triton GEMV against cuBLAS (F.linear) on the
-projection shapes of Qwen3-8B, alone (a sweep of tile shapes) and as a whole step's worth of weights
-replayed in a CUDA graph (where ramps, tails and gaps between kernels count).
+"""Skinny GEMMs at decode batch size 1: a Triton GEMV against cuBLAS (F.linear) on the projection
+shapes of Qwen3-8B, alone (a sweep of tile shapes) and as a whole step's worth of weights replayed in a
+CUDA graph (where ramps, tails and gaps between kernels count).
+
+The GEMV streams W in [BLOCK_N, BLOCK_K] tiles and multiplies them by the rows of x on the CUDA cores;
+optionally with programmatic dependent launch, and with silu(gate) * up formed as x is read. It was
+tried in the model (commit eadc0a0) and taken out: 1.7 % faster than cuBLAS here, but the bs=1 ITL of
+Qwen3-8B was 5.09 ms with it against 5.03 ms without (docs/benchmarks.md). Kept here as the measured
+alternative to re-run on a newer Triton or GPU.
 
 python benchmarks/gemv.py [--quick] [--no-sweep]
 """
@@ -8,16 +14,89 @@ python benchmarks/gemv.py [--quick] [--no-sweep]
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedserve.model import gemv as G  # noqa: E402
+@triton.jit
+def _row_products(w, x_ptr, mmask, K, SILU_MUL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N, BLOCK_K] products of one W tile with the matching columns of every x row."""
+    x = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
+    if SILU_MUL:  # x is the gate; the up half sits K columns to its right
+        up = tl.load(x_ptr + K, mask=mmask[:, None], other=0.0)
+        gate = x.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
+        x = (silu * up.to(tl.float32)).to(up.dtype)  # each product rounded as torch rounds it
+    return w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+
+
+@triton.jit
+def _gemv(X, W, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+          SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    """Program n: rows [n * BLOCK_N, (n + 1) * BLOCK_N) of W against all M (<= BLOCK_M) rows of x.
+    K is a multiple of BLOCK_K (the caller checks), so the W loads carry no mask along K.
+
+    With PDL (programmatic dependent launch) the programs are placed on the SMs while the kernel before
+    is still finishing, so the launch and ramp of each of a step's ~145 projections overlap the tail of
+    the one before."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    w_ptr = W + rows[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    x_ptr = X + ms[:, None] * stride_xm + ks[None, :]
+    if PDL:  # let the next kernel's programs start, then wait for the previous kernel's x
+        gdc_launch_dependents()
+        gdc_wait()
+    for _ in range(0, K, BLOCK_K):  # a plain loop: Triton pipelines its loads (an unrolled prefetch was slower)
+        w = tl.load(w_ptr, mask=rmask[:, None], other=0.0)
+        acc += _row_products(w, x_ptr, mmask, K, SILU_MUL)
+        w_ptr += BLOCK_K
+        x_ptr += BLOCK_K
+    y = tl.sum(acc, 2)
+    if HAS_BIAS:
+        y += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + ms[:, None] * stride_om + rows[None, :], y.to(Out.dtype.element_ty),
+             mask=mmask[:, None] & rmask[None, :])
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+USE_PDL = False  # set per run by main()
+DEFAULT = GemvConfig()
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+         config: GemvConfig = DEFAULT) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-D ``x`` of a few rows whose length BLOCK_K divides; with
+    ``silu_mul``, ``F.linear(silu(gate) * up, weight)`` where ``x`` is ``[gate | up]``."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert x.shape[1] == (2 * k if silu_mul else k)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = max(1, triton.next_power_of_2(m))
+    pdl = USE_PDL
+    _gemv[(triton.cdiv(n, config.block_n),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
+    return out
+
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -53,20 +132,20 @@ def gemv_dot(x, w, cfg):
 
 
 def configs(quick: bool):
-    elem = [("elem", G.GemvConfig(bn, bk, w, s)) for bn in (4, 8, 16) for bk in (256, 512, 1024)
+    elem = [("elem", GemvConfig(bn, bk, w, s)) for bn in (4, 8, 16) for bk in (256, 512, 1024)
             for w in (4, 8) for s in (2, 3)]
-    dot = [("dot", G.GemvConfig(bn, bk, w, s)) for bn in (16, 32, 64) for bk in (128, 256) for w in (4,)
+    dot = [("dot", GemvConfig(bn, bk, w, s)) for bn in (16, 32, 64) for bk in (128, 256) for w in (4,)
            for s in (3, 4, 6)]
     if quick:
-        return [("elem", G.DEFAULT)]
+        return [("elem", DEFAULT)]
     return elem + dot
 
 
 def run(kind, x, w, cfg):
-    return G.gemv(x, w, config=cfg) if kind == "elem" else gemv_dot(x, w, cfg)
+    return gemv(x, w, config=cfg) if kind == "elem" else gemv_dot(x, w, cfg)
 
 
-def sweep(quick: bool) -> dict[str, tuple[str, G.GemvConfig]]:
+def sweep(quick: bool) -> dict[str, tuple[str, GemvConfig]]:
     dev = torch.device("cuda")
     best = {}
     for name, (n, k) in SHAPES.items():
@@ -89,7 +168,6 @@ def sweep(quick: bool) -> dict[str, tuple[str, G.GemvConfig]]:
         for t, kind, cfg, err in rows[:5] + rows[-1:]:
             print(f"  {kind:4s} {cfg}: {t * 1e3:7.1f} us, {nbytes / t / 1e9:.2f} TB/s, max rel err {err:.1e}")
         best[name] = (rows[0][1], rows[0][2])
-        del w
     return best
 
 
@@ -130,6 +208,7 @@ def step_graph(m: int, fn, weights, head) -> tuple[float, int]:
 
 
 def main() -> None:
+    global USE_PDL
     quick = "--quick" in sys.argv
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -138,19 +217,18 @@ def main() -> None:
     print(f"copy 1 GiB: {t * 1e3:.0f} us, {2 * 2**30 / t / 1e9:.2f} TB/s (read + write)")
     t = triton.testing.do_bench(lambda: a.view(torch.bfloat16).sum(), rep=100)
     print(f"sum of 1 GiB (bf16): {t * 1e3:.0f} us, {2**30 / t / 1e9:.2f} TB/s (read)")
-    del a, b
     best = {} if "--no-sweep" in sys.argv else sweep(quick)
     print("\n== a step's projections in a CUDA graph (36 x [qkv, o, gate_up, down] + lm_head)")
     weights, head = step_weights()
     for m in (1,):  # at M = 2 and 4 cuBLAS won by far (docs/benchmarks.md)
         ms, nbytes = step_graph(m, lambda name, x, w: F.linear(x, w), weights, head)
         print(f"  M={m} cuBLAS:            {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
-        for cfg in (G.DEFAULT, G.GemvConfig(8, 512, 4, 2), G.GemvConfig(16, 512, 4, 3), G.GemvConfig(4, 1024, 4, 2)):
+        for cfg in (DEFAULT, GemvConfig(8, 512, 4, 2), GemvConfig(16, 512, 4, 3), GemvConfig(4, 1024, 4, 2)):
             for pdl in (False, True):
-                G.USE_PDL = pdl
-                ms, nbytes = step_graph(m, lambda name, x, w: G.gemv(x, w, config=cfg), weights, head)
+                USE_PDL = pdl
+                ms, nbytes = step_graph(m, lambda name, x, w: gemv(x, w, config=cfg), weights, head)
                 print(f"  M={m} gemv {cfg} pdl={pdl}: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
-        G.USE_PDL = False
+        USE_PDL = False
         if best:
             ms, nbytes = step_graph(m, lambda name, x, w: run(best[name][0], x, w, best[name][1]), weights, head)
             print(f"  M={m} best per shape (no pdl): {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")

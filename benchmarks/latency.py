@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.memory import GiB, weight_bytes  # noqa: E402
-from pagedserve.model import gemv  # noqa: E402
 
 
 def main() -> None:
@@ -33,12 +32,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gemv", choices=("pdl", "on", "off"), default="pdl",
-                    help="skinny-GEMM kernel for <= 4 rows: with programmatic dependent launch, without, or cuBLAS")
     ns = ap.parse_args()
-    gemv.USE_PDL = ns.gemv == "pdl"
-    if ns.gemv == "off":
-        gemv.MAX_M = 0
     llm = LLM(ns.model, load_format="dummy", dtype=ns.dtype, max_model_len=ns.input_len + ns.output_len + 16,
               gpu_memory_utilization=ns.gpu_memory_utilization, max_num_seqs=16)
     engine = llm.engine

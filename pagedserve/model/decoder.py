@@ -13,7 +13,7 @@ from torch import nn
 from pagedserve.config import ModelConfig
 from pagedserve.memory import kv_heads_per_rank
 from pagedserve.model.attention import AttentionBackend, AttentionMetadata
-from pagedserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from pagedserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagedserve.model.parallel import all_gather_last_dim, all_reduce, tp
 
 # Hugging Face tensor name fragment -> (our parameter fragment, shard index in the merged tensor)
@@ -37,8 +37,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -126,7 +126,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, backend, max_positions)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size // tp().size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp().size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -9,18 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.config import ModelConfig
-from pagedserve.model import fused, gemv
+from pagedserve.model import fused
 from pagedserve.model.parallel import all_reduce
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that hands a small decode batch (at most ``gemv.MAX_M`` rows) to the skinny-GEMM
-    kernel, which reads the weights nearer the bandwidth than cuBLAS does at M = 1."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gemv.supports(x, self.weight):
-            return gemv.gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -90,14 +80,12 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """With tensor parallelism each rank holds a slice of the width; the partial sums are reduced."""
         gate_up = self.gate_up_proj(x)
-        if gemv.supports(gate_up, self.down_proj.weight):  # silu-mul fused into the down projection
-            return all_reduce(gemv.gemv(gate_up, self.down_proj.weight, silu_mul=True))
         if x.is_cuda:
             return all_reduce(self.down_proj(fused.silu_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
