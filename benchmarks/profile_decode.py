@@ -1,7 +1,7 @@
 """Where decode time goes: a kernel-level profile of one eager decode step, and the paged-attention
 kernel alone at a few tile shapes with its achieved bandwidth.
 
-python benchmarks/profile_decode.py [--kernels-only | --variants]
+python benchmarks/profile_decode.py [--kernels-only]
 """
 
 from __future__ import annotations
@@ -40,17 +40,13 @@ def profile_step(model: str, batch: int, ctx: int) -> None:
     torch.cuda.empty_cache()
 
 
-# (TILE, num_stages, segments (None: the backend's choice), warps, EARLY_V, PREFETCH_BT)
-CONFIGS = [(t, st, sg, 4, False, False) for t in (64, 128) for st in (2, 3, 4) for sg in (None, 2)] + \
-          [(t, 3, None, w, False, False) for t in (64, 128) for w in (2, 8)]
-# the loop's load order: V read with K (EARLY_V), the next tile's block ids read a tile ahead (PREFETCH_BT)
-VARIANTS = [(t, st, None, w, ev, pb) for t in (64, 128) for st in (1, 2, 3) for w in (2, 4)
-            for ev in (False, True) for pb in (False, True)]
+# (TILE, num_stages, segments (None: the backend's choice), warps)
+CONFIGS = [(t, st, sg, w) for t in (64, 128) for st in (1, 2, 3) for sg in (None, 2) for w in (2, 4)]
 
 
-def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, configs=CONFIGS) -> None:
-    """The decode kernel alone over tile sizes, pipelining depths, split factors, warps and load orders:
-    time and the bandwidth it reaches on the K/V bytes it must read."""
+def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16) -> None:
+    """The decode kernel alone over tile sizes, pipelining depths, split factors and warps: time and
+    the bandwidth it reaches on the K/V bytes it must read."""
     dev = torch.device("cuda")
     bs, d = 16, 128
     rng = np.random.default_rng(0)
@@ -61,34 +57,24 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     results = []
     meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
-    for tile, stages, segs, warps, early_v, prefetch_bt in configs:
+    for tile, stages, segs, warps in CONFIGS:
         be = TritonAttentionBackend(heads, kv_heads, d, sms)
         be.TILE = be.SPLIT_TILE = tile
         be.NUM_STAGES, be.NUM_WARPS, be.FP8_DECODE_WARPS = stages, warps, warps
-        be.EARLY_V, be.PREFETCH_BT = early_v, prefetch_bt
         if segs is not None:
             be.decode_segments = lambda b, s, segs=segs: segs
         be.prepare(meta, bs)
         ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=100)
-        results.append((ms, tile, stages, meta.backend_state.decode.num_segments, warps, early_v, prefetch_bt))
+        results.append((ms, tile, stages, meta.backend_state.decode.num_segments, warps))
     results.sort()
     print(f"\n== {name}, K/V {kv_dtype}: {kv_bytes / 2**30:.2f} GiB of K/V per call; fastest first")
-    for ms, tile, stages, segs, warps, early_v, prefetch_bt in results[:6] + results[-1:]:
-        print(f"  TILE {tile:3d} stages {stages} segments {segs} warps {warps} early V {early_v:d} "
-              f"block ids ahead {prefetch_bt:d}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
-    defaults = [r for r in results if r[1:] == (64, 3, r[3], 4 if kv_dtype == torch.bfloat16 else 2, False, False)]
-    for ms, *_ in defaults:
-        print(f"  today's launch (TILE 64, 3 stages, {'4' if kv_dtype == torch.bfloat16 else '2'} warps): "
-              f"{ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
+    for ms, tile, stages, segs, warps in results[:4] + results[-1:]:
+        print(f"  TILE {tile:3d} stages {stages} segments {segs} warps {warps}: {ms * 1000:8.1f} us, "
+              f"{kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
 if __name__ == "__main__":
     kernels_only = "--kernels-only" in sys.argv
-    if "--variants" in sys.argv:
-        attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, torch.float8_e4m3fn, VARIANTS)
-        attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, torch.bfloat16,
-                        [c for c in VARIANTS if c[0] == 64 and c[1] in (2, 3)])
-        sys.exit(0)
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
         attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, kv)
     attention_alone("Qwen3-0.6B heads, 256 decodes at 800", 16, 8, 256, 800)

@@ -34,7 +34,6 @@ def _paged_attention(
     stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP16_DOTS: tl.constexpr,
-    EARLY_V: tl.constexpr, PREFETCH_BT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -70,20 +69,15 @@ def _paged_attention(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     K = KV
     V = KV + stride_kvkv
-    kpos = first * TILE + tl.arange(0, TILE)
-    blk = tl.load(block_tables + seq * stride_bt + kpos // PAGE, mask=kpos < kv_end, other=0).to(tl.int64)
     for j in range(first, last):
         kpos = j * TILE + tl.arange(0, TILE)
         kmask = kpos < kv_end
-        if not PREFETCH_BT:
-            blk = tl.load(block_tables + seq * stride_bt + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+        blk = tl.load(block_tables + seq * stride_bt + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
         off = blk * stride_kvb + (kpos % PAGE) * stride_kvs + kvh * stride_kvh
         k = tl.load(K + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
-        if EARLY_V:
-            v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
-        if PREFETCH_BT:
-            npos = kpos + TILE
-            blk = tl.load(block_tables + seq * stride_bt + npos // PAGE, mask=npos < kv_end, other=0).to(tl.int64)
+        # V is read here, not after the softmax that needs only K: both tiles are then in flight at
+        # once (fp8 decode 341 -> 276 us at 256 x 1536, benchmarks/profile_decode.py)
+        v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale
         allowed = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
         s = tl.where(allowed, s, float("-inf"))
@@ -92,8 +86,6 @@ def _paged_attention(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         s_sum = s_sum * alpha + tl.sum(p, 1)
-        if not EARLY_V:
-            v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m = m_new
 
@@ -158,8 +150,6 @@ class TritonAttentionBackend:
     NUM_WARPS = 4
     FP8_DECODE_WARPS = 2  # fp8 decode: 343 vs 397 us at 4 warps (Qwen3-8B heads, 256 x 1536, H200)
     NUM_STAGES = 3  # software-pipelining depth of the key loop (Triton's default)
-    EARLY_V = False
-    PREFETCH_BT = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132):
         self.G = num_heads // num_kv_heads
@@ -232,7 +222,6 @@ class TritonAttentionBackend:
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
             G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, FP16_DOTS=fp8,
-            EARLY_V=self.EARLY_V, PREFETCH_BT=self.PREFETCH_BT,
             num_warps=warps, num_stages=self.NUM_STAGES,
         )
         if split:
