@@ -211,3 +211,18 @@ def test_delta_outputs_hold_back_a_forming_stop_string(llm):
     while llm.engine.has_unfinished_requests():
         pieces += [o.outputs[0].text for o in llm.engine.step()]
     assert "".join(pieces) == base[:base.find(stop)]
+
+
+def test_step_stats_count_a_finished_request_out_of_running(llm):
+    """With one step in flight, the step that returns a request's last token must not still count it
+    as running (the metrics' num_requests_running reads these stats)."""
+    engine = llm.engine
+    prompt = llm.get_tokenizer().encode("Hello world")
+    engine.add_request("short", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    running_when_finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                running_when_finished[out.request_id] = engine.core.last_stats.num_running
+    assert running_when_finished == {"short": 1, "long": 0}

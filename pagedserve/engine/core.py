@@ -100,9 +100,11 @@ class EngineCore:
             launched = (sched, self._launch(sched))
             self.counters.num_preemptions += len(sched.preempted)
             self.counters.num_steps += 1
-        self.last_stats = self.scheduler.stats(sched)
         previous, self._in_flight = self._in_flight, launched
-        return self._collect(*previous) if previous is not None else []
+        outputs = self._collect(*previous) if previous is not None else []
+        # after the collect: requests the previous step finished have left the running list
+        self.last_stats = self.scheduler.stats(sched)
+        return outputs
 
     def _launch(self, sched: SchedulerOutput) -> PendingSamples | None:
         try:
