@@ -1,7 +1,7 @@
 """Where decode time goes: a kernel-level profile of one eager decode step, and the paged-attention
 kernel alone at a few tile shapes with its achieved bandwidth.
 
-python benchmarks/profile_decode.py [--kernels-only]
+python benchmarks/profile_decode.py [--kernels-only | --fp8]
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ def profile_step(model: str, batch: int, ctx: int) -> None:
 
 # (TILE, num_stages, segments (None: the backend's choice), warps)
 CONFIGS = [(t, st, sg, w) for t in (64, 128) for st in (1, 2, 3) for sg in (None, 2) for w in (2, 4)]
+FP8_CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (1, 2)]
 
 
-def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16) -> None:
+def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, configs=CONFIGS) -> None:
     """The decode kernel alone over tile sizes, pipelining depths, split factors and warps: time and
     the bandwidth it reaches on the K/V bytes it must read."""
     dev = torch.device("cuda")
@@ -57,7 +58,7 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16) 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     results = []
     meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
-    for tile, stages, segs, warps in CONFIGS:
+    for tile, stages, segs, warps in configs:
         be = TritonAttentionBackend(heads, kv_heads, d, sms)
         be.TILE = be.SPLIT_TILE = tile
         be.NUM_STAGES, be.NUM_WARPS, be.FP8_DECODE_WARPS = stages, warps, warps
@@ -75,6 +76,9 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16) 
 
 if __name__ == "__main__":
     kernels_only = "--kernels-only" in sys.argv
+    if "--fp8" in sys.argv:  # the fp8 decode alone, down to one warp a program
+        attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, torch.float8_e4m3fn, FP8_CONFIGS)
+        sys.exit(0)
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
         attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, kv)
     attention_alone("Qwen3-0.6B heads, 256 decodes at 800", 16, 8, 256, 800)
