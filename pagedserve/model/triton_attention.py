@@ -145,7 +145,7 @@ class TritonState:
 class TritonAttentionBackend:
     name = "triton"
     TILE = 64  # keys per inner step; 64 measured best on the H200 (benchmarks/profile_decode.py)
-    SPLIT_TILE = 128  # ... except for decodes split over segments: 1 decode at 1152, 17.5 vs ~28 us
+    SPLIT_TILE = 128  # ... for decodes split over segments; neutral in the engine (bs=1 ITL 5.026 vs 5.014 ms)
     PREFILL_ROWS = 64
     NUM_WARPS = 4
     FP8_DECODE_WARPS = 2  # fp8 decode: 343 vs 397 us at 4 warps (Qwen3-8B heads, 256 x 1536, H200)
