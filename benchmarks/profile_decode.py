@@ -16,6 +16,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.model.fused import sm_count  # noqa: E402
 from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E402
 from tests.test_triton_attention import make_batch  # noqa: E402
 
@@ -55,7 +56,7 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
     cache = torch.randn((2, nblocks, bs, kv_heads, d), device=dev, dtype=torch.bfloat16).to(kv_dtype)
     q = torch.randn((batch, heads, d), device=dev, dtype=torch.bfloat16)
     kv_bytes = batch * (ctx + 1) * kv_heads * d * 2 * cache.element_size()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = sm_count(dev)
     results = []
     meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
     for tile, stages, segs, warps in configs:

@@ -149,9 +149,9 @@ def get_attention_backend(name: str, device: torch.device, num_heads: int, num_k
         return TorchAttentionBackend()
     if name == "triton":
         try:
+            from pagedserve.model.fused import sm_count
             from pagedserve.model.triton_attention import TritonAttentionBackend
         except ImportError as e:
             raise ConfigError(f"{flag('attention_backend')}: triton is not installed ({e}).") from e
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sms)
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sm_count(device))
     raise ConfigError(f"{flag('attention_backend')}: {name!r} is not one of auto, torch, triton.")

@@ -17,6 +17,8 @@ against them under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -180,11 +182,19 @@ def _gumbel_argmax(Logits, stride, InvT, Seeds, Noisy, PartVal, PartIdx, V, per_
     tl.store(PartIdx + row * tl.num_programs(1) + split, tl.min(tl.where(best == m, best_i, V), 0))
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, asked once (132, an H200's, elsewhere: the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def gumbel_argmax(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor,
-                  noisy: torch.Tensor, num_sms: int = 132) -> torch.Tensor:
+                  noisy: torch.Tensor, num_sms: int | None = None) -> torch.Tensor:
     """Per row: argmax(logits * inv_temperature + Gumbel noise keyed by the row's seed), or the plain
-    argmax where ``noisy`` is false. Splits the vocabulary so that even one row fills the GPU."""
+    argmax where ``noisy`` is false. Splits the vocabulary so that even one row fills the GPU
+    (``num_sms``: the device's, unless given)."""
     n, v = logits.shape
+    num_sms = num_sms or sm_count(logits.device)
     block = 1024
     splits = max(1, min(triton.cdiv(v, 8 * block), triton.cdiv(2 * num_sms, n)))
     per_split = triton.cdiv(triton.cdiv(v, splits), block) * block

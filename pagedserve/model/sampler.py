@@ -51,8 +51,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
             x, inv_t = _filtered_logits(logits.float() * inv_t.unsqueeze(1), batch), torch.ones_like(inv_t)
         if x.is_cuda:
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            tokens = fused.gumbel_argmax(x, inv_t, batch.seeds, ~batch.greedy, sms)
+            tokens = fused.gumbel_argmax(x, inv_t, batch.seeds, ~batch.greedy)
         else:
             tokens = gumbel_argmax_reference(x, inv_t, batch.seed_list, ~batch.greedy)
     if batch.num_logprobs < 0:
