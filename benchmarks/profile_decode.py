@@ -1,7 +1,10 @@
 """Where decode time goes: a kernel-level profile of one eager decode step, and the paged-attention
 kernel alone at a few tile shapes with its achieved bandwidth.
 
-python benchmarks/profile_decode.py [--kernels-only | --fp8]
+python benchmarks/profile_decode.py [--kernels-only | --fp8 | --ncu]
+
+--ncu: only a few fp8 decode launches at 256 x 1536, for Nsight Compute:
+ncu --clock-control none -k regex:_paged_attention --launch-skip 2 --launch-count 1 python benchmarks/profile_decode.py --ncu
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def profile_step(model: str, batch: int, ctx: int) -> None:
 
 
 # (TILE, num_stages, segments (None: the backend's choice), warps)
-CONFIGS = [(t, st, sg, w) for t in (64, 128) for st in (1, 2, 3) for sg in (None, 2) for w in (2, 4)]
+CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (2, 4)]
 FP8_CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (1, 2)]
 
 
@@ -75,8 +78,24 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
               f"{kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
+def ncu_launches() -> None:
+    bs, d, batch, ctx = 16, 128, 256, 1536
+    nblocks = batch * (-(-(ctx + 1) // bs)) + 4
+    meta, _ = make_batch(np.random.default_rng(0), [1] * batch, [ctx] * batch, bs, nblocks)
+    cache = torch.randn((2, nblocks, bs, 8, d), device="cuda").to(torch.float8_e4m3fn)
+    q = torch.randn((batch, 32, d), device="cuda", dtype=torch.bfloat16)
+    be = TritonAttentionBackend(32, 8, d, sm_count(cache.device))
+    be.prepare(meta, bs)
+    for _ in range(3):
+        be.attend(q, cache, meta, d ** -0.5)
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
     kernels_only = "--kernels-only" in sys.argv
+    if "--ncu" in sys.argv:
+        ncu_launches()
+        sys.exit(0)
     if "--fp8" in sys.argv:  # the fp8 decode alone, down to one warp a program
         attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, torch.float8_e4m3fn, FP8_CONFIGS)
         sys.exit(0)

@@ -54,8 +54,12 @@ def _paged_attention(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None], other=0.0)
+    # the softmax runs in base 2 with the scale folded into q: one multiply per query, not per score
+    q = q * (scale * 1.4426950408889634)
     if FP16_DOTS:  # an fp8 cache: e4m3 -> fp16 is one instruction per two values (-> bf16 is several)
         q = q.to(tl.float16)
+    else:
+        q = q.to(Q.dtype.element_ty)
     qpos = ctx + tok
 
     kv_end = tl.minimum(seq_len, ctx + q_off + BLOCK_Q)
@@ -78,13 +82,15 @@ def _paged_attention(
         # V is read here, not after the softmax that needs only K: both tiles are then in flight at
         # once (fp8 decode 341 -> 276 us at 256 x 1536, benchmarks/profile_decode.py)
         v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * scale
-        allowed = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
-        s = tl.where(allowed, s, float("-inf"))
+        s = tl.dot(q, tl.trans(k))
+        if BLOCK_Q == 1:  # a decode: every key before the end is causal
+            s = tl.where(kmask[None, :], s, float("-inf"))
+        else:
+            s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
         s_sum = s_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m = m_new
@@ -118,7 +124,7 @@ def _merge_segments(PartAcc, PartML, Out, tile_seq, query_start, stride_ot, stri
     ssum = tl.load(PartML + base * 2 + 1)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(ssum > 0.0, tl.exp(m - m_max), 0.0)
+    w = tl.where(ssum > 0.0, tl.exp2(m - m_max), 0.0)  # m in base 2, as the attention kernel keeps it
     acc = tl.load(PartAcc + base[:, None] * HEAD_DIM + d[None, :])
     total = tl.sum(w * ssum, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
