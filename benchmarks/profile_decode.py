@@ -1,7 +1,7 @@
 """Where decode time goes: a kernel-level profile of one eager decode step, and the paged-attention
 kernel alone at a few tile shapes with its achieved bandwidth.
 
-python benchmarks/profile_decode.py [--kernels-only | --fp8 | --ncu]
+python benchmarks/profile_decode.py [--kernels-only | --fp8 | --segments | --prefill | --ncu]
 
 --ncu: only a few fp8 decode launches at 256 x 1536, for Nsight Compute:
 ncu --clock-control none -k regex:_paged_attention --launch-skip 2 --launch-count 1 python benchmarks/profile_decode.py --ncu
@@ -78,6 +78,30 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
               f"{kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
+def prefill_alone(heads=32, kv_heads=8, prompts=16, length=1024) -> None:
+    """Fresh causal prefills (a 16k-token chunk of 1024-token prompts) over the prefill tile shape."""
+    dev = torch.device("cuda")
+    bs, d = 16, 128
+    nblocks = prompts * (-(-length // bs)) + 4
+    cache = torch.randn((2, nblocks, bs, kv_heads, d), device=dev, dtype=torch.bfloat16)
+    q = torch.randn((prompts * length, heads, d), device=dev, dtype=torch.bfloat16)
+    meta, _ = make_batch(np.random.default_rng(0), [length] * prompts, [0] * prompts, bs, nblocks)
+    flops = 4 * prompts * heads * d * length * (length + 1) / 2  # causal QK^T and PV
+    results = []
+    for rows, tile, warps, stages in [(r, t, w, s) for r in (64, 128) for t in (64, 128) for w in (4, 8) for s in (2, 3)]:
+        be = TritonAttentionBackend(heads, kv_heads, d, sm_count(dev))
+        be.PREFILL_ROWS, be.TILE, be.NUM_WARPS, be.NUM_STAGES = rows, tile, warps, stages
+        be.prefill_block_q = rows // be.G
+        be.prepare(meta, bs)
+        ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=100)
+        results.append((ms, rows, tile, warps, stages))
+    results.sort()
+    print(f"\n== prefill attention, {prompts} x {length} tokens, {heads}/{kv_heads} heads; fastest first")
+    for ms, rows, tile, warps, stages in results[:4] + results[-1:]:
+        print(f"  rows {rows:3d} TILE {tile:3d} warps {warps} stages {stages}: {ms * 1000:8.1f} us, "
+              f"{flops / ms / 1e9:6.1f} TFLOP/s")
+
+
 def ncu_launches() -> None:
     bs, d, batch, ctx = 16, 128, 256, 1536
     nblocks = batch * (-(-(ctx + 1) // bs)) + 4
@@ -93,6 +117,14 @@ def ncu_launches() -> None:
 
 if __name__ == "__main__":
     kernels_only = "--kernels-only" in sys.argv
+    if "--prefill" in sys.argv:
+        prefill_alone()
+        sys.exit(0)
+    if "--segments" in sys.argv:  # fp8 decode over forced split factors: the last partial wave of programs
+        for kv in (torch.float8_e4m3fn, torch.bfloat16):
+            attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, kv,
+                            [(64, st, sg, 2) for st in (2, 3) for sg in (1, 2, 4, 8)])
+        sys.exit(0)
     if "--ncu" in sys.argv:
         ncu_launches()
         sys.exit(0)

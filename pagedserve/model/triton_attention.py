@@ -54,12 +54,11 @@ def _paged_attention(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None], other=0.0)
-    # the softmax runs in base 2 with the scale folded into q: one multiply per query, not per score
-    q = q * (scale * 1.4426950408889634)
+    qk_scale = scale * 1.4426950408889634  # the softmax runs in base 2: exp2 needs no multiply of its own
     if FP16_DOTS:  # an fp8 cache: e4m3 -> fp16 is one instruction per two values (-> bf16 is several)
-        q = q.to(tl.float16)
-    else:
-        q = q.to(Q.dtype.element_ty)
+        # the scale folded into q, one multiply per query instead of one per score: fp16 keeps the
+        # product to 11 bits (bf16's 8 bits doubled the error, and bf16 decode is HBM-bound anyway)
+        q = (q * qk_scale).to(tl.float16)
     qpos = ctx + tok
 
     kv_end = tl.minimum(seq_len, ctx + q_off + BLOCK_Q)
@@ -83,6 +82,8 @@ def _paged_attention(
         # once (fp8 decode 341 -> 276 us at 256 x 1536, benchmarks/profile_decode.py)
         v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k))
+        if not FP16_DOTS:
+            s = s * qk_scale
         if BLOCK_Q == 1:  # a decode: every key before the end is causal
             s = tl.where(kmask[None, :], s, float("-inf"))
         else:
