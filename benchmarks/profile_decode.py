@@ -78,12 +78,12 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
               f"{kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
-def prefill_alone(heads=32, kv_heads=8, prompts=16, length=1024) -> None:
+def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, length=1024) -> None:
     """Fresh causal prefills (a 16k-token chunk of 1024-token prompts) over the prefill tile shape."""
     dev = torch.device("cuda")
     bs, d = 16, 128
     nblocks = prompts * (-(-length // bs)) + 4
-    cache = torch.randn((2, nblocks, bs, kv_heads, d), device=dev, dtype=torch.bfloat16)
+    cache = torch.randn((2, nblocks, bs, kv_heads, d), device=dev, dtype=torch.bfloat16).to(kv_dtype)
     q = torch.randn((prompts * length, heads, d), device=dev, dtype=torch.bfloat16)
     meta, _ = make_batch(np.random.default_rng(0), [length] * prompts, [0] * prompts, bs, nblocks)
     flops = 4 * prompts * heads * d * length * (length + 1) / 2  # causal QK^T and PV
@@ -96,7 +96,7 @@ def prefill_alone(heads=32, kv_heads=8, prompts=16, length=1024) -> None:
         ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=100)
         results.append((ms, rows, tile, warps, stages))
     results.sort()
-    print(f"\n== prefill attention, {prompts} x {length} tokens, {heads}/{kv_heads} heads; fastest first")
+    print(f"\n== prefill attention, {prompts} x {length} tokens, {heads}/{kv_heads} heads, K/V {kv_dtype}; fastest first")
     for ms, rows, tile, warps, stages in results[:4] + results[-1:]:
         print(f"  rows {rows:3d} TILE {tile:3d} warps {warps} stages {stages}: {ms * 1000:8.1f} us, "
               f"{flops / ms / 1e9:6.1f} TFLOP/s")
@@ -118,7 +118,8 @@ def ncu_launches() -> None:
 if __name__ == "__main__":
     kernels_only = "--kernels-only" in sys.argv
     if "--prefill" in sys.argv:
-        prefill_alone()
+        prefill_alone(torch.bfloat16)
+        prefill_alone(torch.float8_e4m3fn)
         sys.exit(0)
     if "--segments" in sys.argv:  # fp8 decode over forced split factors: the last partial wave of programs
         for kv in (torch.float8_e4m3fn, torch.bfloat16):
