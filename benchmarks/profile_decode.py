@@ -90,7 +90,7 @@ def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, len
     results = []
     for rows, tile, warps, stages in [(r, t, w, s) for r in (64, 128) for t in (64, 128) for w in (4, 8) for s in (2, 3)]:
         be = TritonAttentionBackend(heads, kv_heads, d, sm_count(dev))
-        be.PREFILL_ROWS, be.TILE, be.NUM_WARPS, be.NUM_STAGES = rows, tile, warps, stages
+        be.PREFILL_ROWS, be.TILE, be.NUM_WARPS, be.PREFILL_STAGES = rows, tile, warps, stages
         be.prefill_block_q = rows // be.G
         be.prepare(meta, bs)
         ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=100)
