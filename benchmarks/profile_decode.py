@@ -49,27 +49,33 @@ CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (2, 
 FP8_CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (1, 2)]
 
 
+BS, D = 16, 128  # block size and head dim of every shape below
+
+
+def paged_inputs(heads, kv_heads, query_lens, context_lens, kv_dtype):
+    """A random cache with room for every request, queries for the new tokens, and the step's metadata."""
+    nblocks = sum(-(-(q + c) // BS) for q, c in zip(query_lens, context_lens)) + 4
+    cache = torch.randn((2, nblocks, BS, kv_heads, D), device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+    q = torch.randn((sum(query_lens), heads, D), device="cuda", dtype=torch.bfloat16)
+    meta, _ = make_batch(np.random.default_rng(0), query_lens, context_lens, BS, nblocks)
+    return cache, q, meta
+
+
 def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, configs=CONFIGS) -> None:
     """The decode kernel alone over tile sizes, pipelining depths, split factors and warps: time and
     the bandwidth it reaches on the K/V bytes it must read."""
-    dev = torch.device("cuda")
-    bs, d = 16, 128
-    rng = np.random.default_rng(0)
-    nblocks = batch * (-(-(ctx + 1) // bs)) + 4
-    cache = torch.randn((2, nblocks, bs, kv_heads, d), device=dev, dtype=torch.bfloat16).to(kv_dtype)
-    q = torch.randn((batch, heads, d), device=dev, dtype=torch.bfloat16)
-    kv_bytes = batch * (ctx + 1) * kv_heads * d * 2 * cache.element_size()
-    sms = sm_count(dev)
+    cache, q, meta = paged_inputs(heads, kv_heads, [1] * batch, [ctx] * batch, kv_dtype)
+    kv_bytes = batch * (ctx + 1) * kv_heads * D * 2 * cache.element_size()
+    sms = sm_count(cache.device)
     results = []
-    meta, _ = make_batch(rng, [1] * batch, [ctx] * batch, bs, nblocks)
     for tile, stages, segs, warps in configs:
-        be = TritonAttentionBackend(heads, kv_heads, d, sms)
+        be = TritonAttentionBackend(heads, kv_heads, D, sms)
         be.TILE = be.SPLIT_TILE = tile
         be.NUM_STAGES, be.NUM_WARPS, be.FP8_DECODE_WARPS = stages, warps, warps
         if segs is not None:
             be.decode_segments = lambda b, s, segs=segs: segs
-        be.prepare(meta, bs)
-        ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=100)
+        be.prepare(meta, BS)
+        ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), rep=100)
         results.append((ms, tile, stages, meta.backend_state.decode.num_segments, warps))
     results.sort()
     print(f"\n== {name}, K/V {kv_dtype}: {kv_bytes / 2**30:.2f} GiB of K/V per call; fastest first")
@@ -80,20 +86,16 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
 
 def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, length=1024) -> None:
     """Fresh causal prefills (a 16k-token chunk of 1024-token prompts) over the prefill tile shape."""
-    dev = torch.device("cuda")
-    bs, d = 16, 128
-    nblocks = prompts * (-(-length // bs)) + 4
-    cache = torch.randn((2, nblocks, bs, kv_heads, d), device=dev, dtype=torch.bfloat16).to(kv_dtype)
-    q = torch.randn((prompts * length, heads, d), device=dev, dtype=torch.bfloat16)
-    meta, _ = make_batch(np.random.default_rng(0), [length] * prompts, [0] * prompts, bs, nblocks)
-    flops = 4 * prompts * heads * d * length * (length + 1) / 2  # causal QK^T and PV
+    cache, q, meta = paged_inputs(heads, kv_heads, [length] * prompts, [0] * prompts, kv_dtype)
+    sms = sm_count(cache.device)
+    flops = 4 * prompts * heads * D * length * (length + 1) / 2  # causal QK^T and PV
     results = []
     for rows, tile, warps, stages in [(r, t, w, s) for r in (64, 128) for t in (64, 128) for w in (4, 8) for s in (2, 3)]:
-        be = TritonAttentionBackend(heads, kv_heads, d, sm_count(dev))
+        be = TritonAttentionBackend(heads, kv_heads, D, sms)
         be.PREFILL_ROWS, be.TILE, be.NUM_WARPS, be.PREFILL_STAGES = rows, tile, warps, stages
         be.prefill_block_q = rows // be.G
-        be.prepare(meta, bs)
-        ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, d ** -0.5), rep=100)
+        be.prepare(meta, BS)
+        ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), rep=100)
         results.append((ms, rows, tile, warps, stages))
     results.sort()
     print(f"\n== prefill attention, {prompts} x {length} tokens, {heads}/{kv_heads} heads, K/V {kv_dtype}; fastest first")
@@ -103,15 +105,11 @@ def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, len
 
 
 def ncu_launches() -> None:
-    bs, d, batch, ctx = 16, 128, 256, 1536
-    nblocks = batch * (-(-(ctx + 1) // bs)) + 4
-    meta, _ = make_batch(np.random.default_rng(0), [1] * batch, [ctx] * batch, bs, nblocks)
-    cache = torch.randn((2, nblocks, bs, 8, d), device="cuda").to(torch.float8_e4m3fn)
-    q = torch.randn((batch, 32, d), device="cuda", dtype=torch.bfloat16)
-    be = TritonAttentionBackend(32, 8, d, sm_count(cache.device))
-    be.prepare(meta, bs)
+    cache, q, meta = paged_inputs(32, 8, [1] * 256, [1536] * 256, torch.float8_e4m3fn)
+    be = TritonAttentionBackend(32, 8, D, sm_count(cache.device))
+    be.prepare(meta, BS)
     for _ in range(3):
-        be.attend(q, cache, meta, d ** -0.5)
+        be.attend(q, cache, meta, D ** -0.5)
     torch.cuda.synchronize()
 
 
