@@ -38,6 +38,17 @@ def workload(ns):
     return prompts, outs
 
 
+def triton_variants() -> dict[str, set]:
+    """The specializations each of our Triton kernels has compiled in this process (Triton's in-memory
+    cache, read for the report: a variant that first appears inside the timed run was compiled there)."""
+    from triton.runtime.jit import JITFunction
+
+    from pagedserve.model import fused, triton_attention
+
+    return {name: {key for cache in fn.device_caches.values() for key in cache[0]}
+            for mod in (fused, triton_attention) for name, fn in vars(mod).items() if isinstance(fn, JITFunction)}
+
+
 def run_ours(model, prompts, outs, ns) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, load_format="auto" if Path(model).is_dir() else "dummy", dtype="bfloat16",
@@ -46,18 +57,24 @@ def run_ours(model, prompts, outs, ns) -> dict:
               kv_cache_dtype=ns.kv_cache_dtype)
     init = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    # no warm-up generate: the engine compiles its kernels at start-up, and the report below checks it
     core = llm.engine.core
     pre, steps0 = core.counters.num_preemptions, core.counters.num_steps
+    before = triton_variants()
     t0 = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
+    compiled = {name: keys - before.get(name, set()) for name, keys in triton_variants().items()}
+    for name, keys in compiled.items():
+        for key in keys:
+            print(f"compiled inside the timed run: {name} {str(key)[:600]}", file=sys.stderr)
     tokens = sum(len(r.outputs[0].token_ids) for r in res)
     budget = core.runner.budget
     out = {"engine": "pagedserve", "output_tokens": tokens, "seconds": dt, "output_tok_per_s": tokens / dt,
            "total_tok_per_s": (tokens + sum(map(len, prompts))) / dt, "init_seconds": init,
            "steps": core.counters.num_steps - steps0, "preemptions": core.counters.num_preemptions - pre,
-           "kv_cache_tokens": budget.kv_tokens, "peak_memory_gib": core.runner.device_memory()[1] / 2**30}
+           "kv_cache_tokens": budget.kv_tokens, "peak_memory_gib": core.runner.device_memory()[1] / 2**30,
+           "kernel_variants_compiled_in_run": {k: len(v) for k, v in compiled.items() if v}}
     del llm, core
     torch.cuda.empty_cache()
     return out

@@ -121,3 +121,25 @@ def test_engine_with_triton_backend_matches_torch_backend():
     ref = LLM("tiny", attention_backend="torch", **kw).generate(prompts, params, use_tqdm=False)
     tri = LLM("tiny", attention_backend="triton", **kw).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in tri] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
+    """Decode graphs compile only their own batch sizes' variants; eager mixed steps choose split
+    factors by batch and length, so the runner's warm-up must launch each of them next to prefill tiles."""
+    from pagedserve import LLM
+
+    launched = []
+    real = TritonAttentionBackend._launch
+
+    def spy(self, q, kv_cache, out, meta, st, launch, scale):
+        launched.append((launch.block_q, launch.num_segments))
+        return real(self, q, kv_cache, out, meta, st, launch, scale)
+
+    monkeypatch.setattr(TritonAttentionBackend, "_launch", spy)
+    llm = LLM("tiny", attention_backend="triton", kv_cache_memory="4MiB", max_model_len=2048)
+    backend = llm.engine.core.runner.backend
+    top = backend.decode_segments(1, 2048)
+    assert top == 4  # 2 KV heads, 2048 keys: four segments of 512 for one long decode
+    decode_splits = {segs for block_q, segs in launched if block_q == 1}
+    assert decode_splits == {1, 2, 4}
+    assert (backend.prefill_block_q, 1) in launched

@@ -12,6 +12,7 @@ those already in the cache plus the new ones, which are written to the cache fir
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
@@ -41,6 +42,11 @@ class AttentionBackend(Protocol):
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Precompute per-step state (index tensors, masks) into ``meta.backend_state``."""
+
+    def variants(self, meta: AttentionMetadata, max_seq_len: int) -> Iterator[None]:
+        """Set ``meta.backend_state`` (prepared for a batch with prefills and decodes) to each kernel
+        variant that ``prepare`` may choose for steps up to ``max_seq_len``, yielding after each: the
+        model runner runs them all at start-up so that none is compiled while serving."""
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, layer, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -124,6 +130,9 @@ class TorchAttentionBackend:
         mask = (pos[None, None, :] <= qpos[:, :, None]) & (pos[None, None, :] < seq_lens[:, None, None])
         mask = mask | ~query_valid[:, :, None]  # padded rows attend to something: no NaN rows
         meta.backend_state = _TorchState(key_slots, query_index, query_valid, mask.unsqueeze(1))
+
+    def variants(self, meta: AttentionMetadata, max_seq_len: int) -> Iterator[None]:
+        yield  # torch ops: nothing to compile
 
     def forward(self, qkv, positions, layer, kv_cache, meta):
         q, k, v = layer.split_qkv(qkv, positions)

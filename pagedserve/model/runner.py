@@ -135,6 +135,7 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
         if on_cuda and self.backend.name == "triton" and not config.args.enforce_eager:
             self._capture_decode_graphs()
+        self._warm_up()
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -209,11 +210,7 @@ class ModelRunner:
         hidden = self.model(ids, positions, scratch, meta)
         last = torch.tensor(np.cumsum(lens) - 1, device=self.device)
         logits = self.model.compute_logits(hidden[last])
-        ones = torch.ones(seqs, device=self.device)
-        batch = SamplingBatch(ones, torch.zeros(seqs, dtype=torch.bool, device=self.device),
-                              torch.full((seqs,), 50, device=self.device), ones * 0.9, ones * 0.05,
-                              torch.arange(seqs, device=self.device), list(range(seqs)), False, 5)
-        sample(logits, batch)
+        sample(logits, self._dummy_sampling(seqs, filtered=True, num_logprobs=5))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         free, total = torch.cuda.mem_get_info(self.device)
@@ -222,6 +219,42 @@ class ModelRunner:
         gc.collect()
         torch.cuda.empty_cache()
         return peak, non_torch
+
+    def _dummy_sampling(self, rows: int, filtered: bool, num_logprobs: int = -1) -> SamplingBatch:
+        """Random sampling parameters for ``rows`` rows: temperature only, or with top-k/top-p/min-p too."""
+        dev = self.device
+        ones = torch.ones(rows, device=dev)
+        return SamplingBatch(ones * 0.7, torch.zeros(rows, dtype=torch.bool, device=dev),
+                             torch.full((rows,), 50, device=dev) if filtered else None,
+                             ones * 0.9 if filtered else None, ones * 0.05 if filtered else None,
+                             torch.arange(rows, device=dev), list(range(rows)), False, num_logprobs)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Run every kernel variant a step may choose once, at start-up, so that none is compiled while
+        serving (a first Triton compile takes seconds): mixed prefill + decode steps at each attention
+        variant the backend can pick (decode graphs cover only their own batch sizes), and each sampler
+        path. Every new token goes to the trash slot; nothing in the pool is touched."""
+        t0 = time.perf_counter()
+        dev = self.device
+        # request 0 prefills two tokens, request 1 decodes one; both read block 0, which nobody owns yet
+        query_lens = np.array([2, 1])
+        slots = torch.full((3,), self.trash_slot, dtype=torch.long, device=dev)
+        meta = self._metadata(slots, query_lens, np.array([2, 2], dtype=np.int32), np.zeros((2, 1), dtype=np.int32))
+        ids = torch.zeros(3, dtype=torch.long, device=dev)
+        positions = torch.tensor([0, 1, 1], device=dev)
+        variants = 0
+        for _ in self.backend.variants(meta, self.config.max_model_len):
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            variants += 1
+        logits = self.model.compute_logits(hidden[1:])
+        sample(logits, SamplingBatch(None, None, None, None, None, None, [], True, -1))
+        for filtered in (False, True):
+            sample(logits, self._dummy_sampling(2, filtered))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        logger.info("Warm-up ran %d attention variant(s) and the sampler in %.1f secs", variants,
+                    time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ CUDA graphs for decode
 

@@ -15,6 +15,7 @@ and on the GPU on real shapes (benchmarks/gpu_check.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,9 @@ from pagedserve.model.attention import AttentionMetadata, to_device
 from pagedserve.model.fused import qkv_rope_store
 
 
-@triton.jit
+# the block-table stride is the widest table of the step: not specialized on (divisibility by 16, == 1),
+# or every new width class would compile the kernel again in the middle of serving
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention(
     Q, KV, Out, PartAcc, PartML,
     block_tables, seq_lens, query_start, tile_seq, tile_qoff,
@@ -191,12 +194,25 @@ class TritonAttentionBackend:
             part_ml = torch.empty((n, self.num_heads, num_segments, 2), dtype=torch.float32, device=dev)
         return TritonState(decode, prefill, part_acc, part_ml)
 
-    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        qlens = meta.query_lens_cpu
-        decode_seqs = np.nonzero(qlens == 1)[0]
+    def _tiles(self, qlens: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """The decoding requests, and (request, first query token) of every prefill tile."""
         prefill_tiles = [(i, off) for i in np.nonzero(qlens > 1)[0] for off in range(0, int(qlens[i]), self.prefill_block_q)]
+        return np.nonzero(qlens == 1)[0], prefill_tiles
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        decode_seqs, prefill_tiles = self._tiles(meta.query_lens_cpu)
         segs = self.decode_segments(len(decode_seqs), meta.max_seq_len) if len(decode_seqs) else 1
         meta.backend_state = self.make_state(meta.seq_lens.device, decode_seqs, prefill_tiles, segs)
+
+    def variants(self, meta: AttentionMetadata, max_seq_len: int) -> Iterator[None]:
+        """Decode tiles at every split factor ``decode_segments`` can return (powers of two up to that of
+        one long decode), next to the step's prefill tiles."""
+        decode_seqs, prefill_tiles = self._tiles(meta.query_lens_cpu)
+        segs = 1
+        while segs <= self.decode_segments(1, max_seq_len):
+            meta.backend_state = self.make_state(meta.seq_lens.device, decode_seqs, prefill_tiles, segs)
+            yield
+            segs *= 2
 
     def forward(self, qkv, positions, layer, kv_cache, meta):
         """One fused kernel for norms + rotary + K/V store, then the attention kernel(s)."""
