@@ -64,7 +64,7 @@ def run_ours(model, prompts, outs, ns) -> dict:
     t0 = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
-    compiled = {name: keys - before.get(name, set()) for name, keys in triton_variants().items()}
+    compiled = {name: keys - before[name] for name, keys in triton_variants().items()}
     for name, keys in compiled.items():
         for key in keys:
             print(f"compiled inside the timed run: {name} {str(key)[:600]}", file=sys.stderr)

@@ -11,8 +11,8 @@ those already in the cache plus the new ones, which are written to the cache fir
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np

@@ -221,7 +221,7 @@ class ModelRunner:
         return peak, non_torch
 
     def _dummy_sampling(self, rows: int, filtered: bool, num_logprobs: int = -1) -> SamplingBatch:
-        """Random sampling parameters for ``rows`` rows: temperature only, or with top-k/top-p/min-p too."""
+        """Non-greedy sampling parameters for ``rows`` rows: temperature only, or with top-k/top-p/min-p too."""
         dev = self.device
         ones = torch.ones(rows, device=dev)
         return SamplingBatch(ones * 0.7, torch.zeros(rows, dtype=torch.bool, device=dev),
@@ -248,7 +248,7 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             variants += 1
         logits = self.model.compute_logits(hidden[1:])
-        sample(logits, SamplingBatch(None, None, None, None, None, None, [], True, -1))
+        sample(logits, SamplingBatch.greedy_only())
         for filtered in (False, True):
             sample(logits, self._dummy_sampling(2, filtered))
         if dev.type == "cuda":
@@ -420,7 +420,7 @@ class ModelRunner:
         sp = [r.sampling_params for r in params]
         num_logprobs = max((p.logprobs for p in sp if p.logprobs is not None), default=-1)
         if all(p.greedy for p in sp):  # the common benchmark case: no per-row tensors to build
-            return SamplingBatch(None, None, None, None, None, None, [], True, num_logprobs)
+            return SamplingBatch.greedy_only(num_logprobs)
         vocab = self.config.model.vocab_size
         # rows: temperature (1 for greedy rows), greedy, top-k (vocab when off), top-p, min-p; one upload
         table = np.array([(1.0 if p.greedy else p.temperature, p.greedy, p.top_k if p.top_k > 0 else vocab,

@@ -31,6 +31,11 @@ class SamplingBatch:
     all_greedy: bool
     num_logprobs: int                # max top-N requested in the batch; -1: none
 
+    @classmethod
+    def greedy_only(cls, num_logprobs: int = -1) -> SamplingBatch:
+        """Every row greedy: no per-row tensors."""
+        return cls(None, None, None, None, None, None, [], True, num_logprobs)
+
 
 @dataclass
 class SamplerOutput:
