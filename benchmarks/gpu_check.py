@@ -25,6 +25,8 @@ def main() -> None:
         ("Qwen3-8B mixed: 2k chunk after 3k ctx + 31 decodes", 32, 8, 128, 16, [2048] + [1] * 31, [3000] + [500] * 31),
         ("Qwen3-0.6B mixed, block 32", 16, 8, 128, 32, [300, 1, 1, 77], [0, 900, 15, 40]),
         ("Llama-3-8B decode, fp8 KV", 32, 8, 128, 16, [1] * 16, [700] * 16),
+        ("Qwen3-8B decode x256, ctx 1-2k, fp8 KV", 32, 8, 128, 16, [1] * 256, list(np.random.default_rng(2).integers(1, 2048, 256))),
+        ("Qwen3-8B mixed, fp8 KV: 1k chunk after 1k ctx + 15 decodes", 32, 8, 128, 16, [1024] + [1] * 15, [1000] + [900] * 15),
     ]
     for name, h, kvh, d, bs, ql, cl in cases:
         kv_dtype = torch.float8_e4m3fn if "fp8" in name else None

@@ -46,7 +46,7 @@ def profile_step(model: str, batch: int, ctx: int) -> None:
 
 # (TILE, num_stages, segments (None: the backend's choice), warps)
 CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (2, 4)]
-FP8_CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (1, 2)]
+FP8_CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (1, 2, 4)]
 
 
 BS, D = 16, 128  # block size and head dim of every shape below
@@ -61,9 +61,11 @@ def paged_inputs(heads, kv_heads, query_lens, context_lens, kv_dtype):
     return cache, q, meta
 
 
-def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, configs=CONFIGS) -> None:
+def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, configs=CONFIGS,
+                    fp8_v_asm: bool = True) -> None:
     """The decode kernel alone over tile sizes, pipelining depths, split factors and warps: time and
-    the bandwidth it reaches on the K/V bytes it must read."""
+    the bandwidth it reaches on the K/V bytes it must read. ``fp8_v_asm`` False: an fp8 V converted
+    by a plain cast, which Triton stages as bytes (the kernel before the asm conversion)."""
     cache, q, meta = paged_inputs(heads, kv_heads, [1] * batch, [ctx] * batch, kv_dtype)
     kv_bytes = batch * (ctx + 1) * kv_heads * D * 2 * cache.element_size()
     sms = sm_count(cache.device)
@@ -72,13 +74,15 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
         be = TritonAttentionBackend(heads, kv_heads, D, sms)
         be.TILE = be.SPLIT_TILE = tile
         be.NUM_STAGES, be.NUM_WARPS, be.FP8_DECODE_WARPS = stages, warps, warps
+        be.FP8_V_ASM = fp8_v_asm
         if segs is not None:
             be.decode_segments = lambda b, s, segs=segs: segs
         be.prepare(meta, BS)
         ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), rep=100)
         results.append((ms, tile, stages, meta.backend_state.decode.num_segments, warps))
     results.sort()
-    print(f"\n== {name}, K/V {kv_dtype}: {kv_bytes / 2**30:.2f} GiB of K/V per call; fastest first")
+    cast = "" if kv_dtype != torch.float8_e4m3fn else (", V converted in registers" if fp8_v_asm else ", V cast after staging")
+    print(f"\n== {name}, K/V {kv_dtype}{cast}: {kv_bytes / 2**30:.2f} GiB of K/V per call; fastest first")
     for ms, tile, stages, segs, warps in results[:4] + results[-1:]:
         print(f"  TILE {tile:3d} stages {stages} segments {segs} warps {warps}: {ms * 1000:8.1f} us, "
               f"{kv_bytes / ms / 1e6:7.0f} GB/s")
@@ -127,8 +131,11 @@ if __name__ == "__main__":
     if "--ncu" in sys.argv:
         ncu_launches()
         sys.exit(0)
-    if "--fp8" in sys.argv:  # the fp8 decode alone, down to one warp a program
-        attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, torch.float8_e4m3fn, FP8_CONFIGS)
+    if "--fp8" in sys.argv:  # the fp8 decode alone, down to one warp a program, V converted either way
+        for batch in (256, 512):
+            for asm, configs in ((True, FP8_CONFIGS), (False, [(64, 3, None, 2)])):  # the old cast: its best
+                attention_alone(f"Qwen3-8B heads, {batch} decodes at 1536", 32, 8, batch, 1536, torch.float8_e4m3fn,
+                                configs, fp8_v_asm=asm)
         sys.exit(0)
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
         attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, kv)

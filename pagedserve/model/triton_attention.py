@@ -27,6 +27,21 @@ from pagedserve.model.attention import AttentionMetadata, to_device
 from pagedserve.model.fused import qkv_rope_store
 
 
+@triton.jit
+def _e4m3_to_f16(x):
+    """fp8 e4m3 -> fp16, four values an instruction pair, opaque to Triton's layout passes.
+
+    With a plain ``.to()`` Triton moves the V tile's layout change for the P.V dot in front of the cast,
+    so it stages e4m3 bytes in shared memory and gathers the dot operand byte by byte (128 LDS.U8 a
+    64-key tile: there is no 8-bit transposing ldmatrix). Not pure, so it stays where it is: V is
+    converted in registers and staged as fp16, which ``ldmatrix.trans`` reads. GPU only (the
+    interpreter has no PTX); CPU runs take ``.to()``.
+    """
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
 # the block-table stride is the widest table of the step: not specialized on (divisibility by 16, == 1),
 # or every new width class would compile the kernel again in the middle of serving
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -37,6 +52,7 @@ def _paged_attention(
     stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP16_DOTS: tl.constexpr,
+    V_CVT_ASM: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -83,7 +99,11 @@ def _paged_attention(
         k = tl.load(K + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
         # V is read here, not after the softmax that needs only K: both tiles are then in flight at
         # once (fp8 decode 341 -> 276 us at 256 x 1536, benchmarks/profile_decode.py)
-        v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+        if V_CVT_ASM:
+            v = _e4m3_to_f16(v)
+        else:
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k))
         if not FP16_DOTS:
             s = s * qk_scale
@@ -160,6 +180,7 @@ class TritonAttentionBackend:
     NUM_WARPS = 4
     FP8_DECODE_WARPS = 2  # fp8 decode: 343 vs 397 us at 4 warps (Qwen3-8B heads, 256 x 1536, H200)
     NUM_STAGES = 3  # software-pipelining depth of the key loop (Triton's default) for decodes
+    FP8_V_ASM = True  # fp8 V converted in registers before it is staged for the dot (see _e4m3_to_f16)
     PREFILL_STAGES = 2  # 16 x 1024 fresh prefills: 548 vs 586 us bf16, 569 vs > 625 us fp8 at 3 (H200)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132):
@@ -247,6 +268,7 @@ class TritonAttentionBackend:
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
             G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, FP16_DOTS=fp8,
+            V_CVT_ASM=fp8 and self.FP8_V_ASM and kv_cache.is_cuda,
             num_warps=warps, num_stages=stages,
         )
         if split:
