@@ -14,7 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from tests.test_triton_attention import compare  # noqa: E402
+from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E402
+from tests.test_triton_attention import compare, read_path_error  # noqa: E402
 
 
 def main() -> None:
@@ -34,6 +35,12 @@ def main() -> None:
         err, cache_err = compare(arch, h, kvh, d, bs, ql, [int(c) for c in cl], torch.bfloat16, kv_dtype)
         ok = err < 2e-2 and cache_err < 2e-2
         print(f"{name:<55} rel err {err:.2e} (K/V cache {cache_err:.2e}) {'OK' if ok else 'FAIL'}", flush=True)
+        if kv_dtype is not None:  # the read path on one shared cache, V converted either way
+            for asm in (True, False):
+                be = TritonAttentionBackend(h, kvh, d)
+                be.FP8_V_ASM = asm
+                rerr = read_path_error(h, kvh, d, bs, ql, [int(c) for c in cl], kv_dtype, be)
+                print(f"  read path only, V {'asm' if asm else 'cast'}: rel err {rerr:.2e} {'OK' if rerr < 1e-2 else 'FAIL'}")
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {}

@@ -94,21 +94,25 @@ def test_triton_matches_reference_on_mixed_batches(model_type, block_size, heads
     assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
 
 
-def test_triton_reads_an_fp8_cache_like_the_reference():
-    """fp8 keys/values (the kernel computes its dots in fp16, exact for e4m3 values) on one shared cache:
-    the read path alone, since the interpreter rounds fp32 -> fp8 writes its own way (the GPU's writes
-    are checked against torch's in benchmarks/gpu_check.py)."""
-    heads, kv_heads, d, bs = 4, 2, 16, 16
-    qlens, ctx = [1, 1, 9], [40, 75, 12]
-    nblocks = sum(-(-(q + c) // bs) for q, c in zip(qlens, ctx)) + 2
-    cache = torch.randn((2, nblocks, bs, kv_heads, d), device=DEV).to(torch.float8_e4m3fn)
-    q = torch.randn((sum(qlens), heads, d), device=DEV)
+def read_path_error(heads, kv_heads, head_dim, block_size, query_lens, context_lens, kv_dtype,
+                    triton_backend=None) -> float:
+    """Both backends attend over ONE shared cache: the read path alone, without the writes' rounding
+    (fp8 writes may round an element one step apart, and an e4m3 step is up to 12 %)."""
+    nblocks = sum(-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens)) + 2
+    cache = torch.randn((2, nblocks, block_size, kv_heads, head_dim), device=DEV).to(kv_dtype)
+    q = torch.randn((sum(query_lens), heads, head_dim), device=DEV, dtype=torch.bfloat16 if DEV.type == "cuda" else torch.float32)
     outs = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend(heads, kv_heads, d)):
-        meta, _ = make_batch(np.random.default_rng(1), qlens, ctx, bs, nblocks)
-        backend.prepare(meta, bs)
-        outs.append(backend.attend(q, cache, meta, d ** -0.5).float())
-    err = float((outs[1] - outs[0]).norm() / outs[0].norm())
+    for backend in (TorchAttentionBackend(), triton_backend or TritonAttentionBackend(heads, kv_heads, head_dim)):
+        meta, _ = make_batch(np.random.default_rng(1), query_lens, context_lens, block_size, nblocks)
+        backend.prepare(meta, block_size)
+        outs.append(backend.attend(q, cache, meta, head_dim ** -0.5).float())
+    return float((outs[1] - outs[0]).norm() / outs[0].norm())
+
+
+def test_triton_reads_an_fp8_cache_like_the_reference():
+    """fp8 keys/values (the kernel computes its dots in fp16, exact for e4m3 values); the interpreter
+    rounds fp32 -> fp8 writes its own way, so the GPU's writes are checked in benchmarks/gpu_check.py."""
+    err = read_path_error(4, 2, 16, 16, [1, 1, 9], [40, 75, 12], torch.float8_e4m3fn)
     assert err < 2e-3, err
 
 
