@@ -33,9 +33,11 @@ def main() -> None:
         kv_dtype = torch.float8_e4m3fn if "fp8" in name else None
         arch = "llama" if "Llama" in name else "qwen3"
         err, cache_err = compare(arch, h, kvh, d, bs, ql, [int(c) for c in cl], torch.bfloat16, kv_dtype)
-        ok = err < 2e-2 and cache_err < 2e-2
+        # fp8: torch and the fused store may round a written element one e4m3 step apart (up to 12 %),
+        # which a long chunk's own keys carry into its scores; the read path below is checked tightly
+        ok = err < (5e-2 if kv_dtype is not None else 2e-2) and cache_err < 2e-2
         print(f"{name:<55} rel err {err:.2e} (K/V cache {cache_err:.2e}) {'OK' if ok else 'FAIL'}", flush=True)
-        if kv_dtype is not None:  # the read path on one shared cache, V converted either way
+        if kv_dtype is not None:  # the read path on one shared cache, fp8 V converted by asm and by a cast
             for asm in (True, False):
                 be = TritonAttentionBackend(h, kvh, d)
                 be.FP8_V_ASM = asm

@@ -46,7 +46,7 @@ def profile_step(model: str, batch: int, ctx: int) -> None:
 
 # (TILE, num_stages, segments (None: the backend's choice), warps)
 CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (2, 4)]
-FP8_CONFIGS = [(t, st, None, w) for t in (64, 128) for st in (2, 3, 4) for w in (1, 2, 4)]
+FP8_CONFIGS = [(t, st, None, w) for t in (16, 32, 64) for st in (2, 3, 4) for w in (1, 2, 4)]
 
 
 BS, D = 16, 128  # block size and head dim of every shape below
@@ -65,7 +65,7 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
                     fp8_v_asm: bool = True) -> None:
     """The decode kernel alone over tile sizes, pipelining depths, split factors and warps: time and
     the bandwidth it reaches on the K/V bytes it must read. ``fp8_v_asm`` False: an fp8 V converted
-    by a plain cast, which Triton stages as bytes (the kernel before the asm conversion)."""
+    by a plain cast, which Triton stages as bytes (the engine's fp8 decode before it took the asm one)."""
     cache, q, meta = paged_inputs(heads, kv_heads, [1] * batch, [ctx] * batch, kv_dtype)
     kv_bytes = batch * (ctx + 1) * kv_heads * D * 2 * cache.element_size()
     sms = sm_count(cache.device)
@@ -73,8 +73,8 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
     for tile, stages, segs, warps in configs:
         be = TritonAttentionBackend(heads, kv_heads, D, sms)
         be.TILE = be.SPLIT_TILE = tile
-        be.NUM_STAGES, be.NUM_WARPS, be.FP8_DECODE_WARPS = stages, warps, warps
-        be.FP8_V_ASM = fp8_v_asm
+        be.NUM_STAGES, be.NUM_WARPS, be.FP8_SPLIT_WARPS = stages, warps, warps
+        be.FP8_DECODE, be.FP8_V_ASM = (tile, warps, stages), fp8_v_asm
         if segs is not None:
             be.decode_segments = lambda b, s, segs=segs: segs
         be.prepare(meta, BS)
@@ -133,7 +133,7 @@ if __name__ == "__main__":
         sys.exit(0)
     if "--fp8" in sys.argv:  # the fp8 decode alone, down to one warp a program, V converted either way
         for batch in (256, 512):
-            for asm, configs in ((True, FP8_CONFIGS), (False, [(64, 3, None, 2)])):  # the old cast: its best
+            for asm, configs in ((True, FP8_CONFIGS), (False, [(64, 3, None, 2)])):  # the cast: its best
                 attention_alone(f"Qwen3-8B heads, {batch} decodes at 1536", 32, 8, batch, 1536, torch.float8_e4m3fn,
                                 configs, fp8_v_asm=asm)
         sys.exit(0)

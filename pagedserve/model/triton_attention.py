@@ -178,10 +178,13 @@ class TritonAttentionBackend:
     SPLIT_TILE = 128  # ... for decodes split over segments; neutral in the engine (bs=1 ITL 5.026 vs 5.014 ms)
     PREFILL_ROWS = 64
     NUM_WARPS = 4
-    FP8_DECODE_WARPS = 2  # fp8 decode: 343 vs 397 us at 4 warps (Qwen3-8B heads, 256 x 1536, H200)
     NUM_STAGES = 3  # software-pipelining depth of the key loop (Triton's default) for decodes
-    FP8_V_ASM = True  # fp8 V converted in registers before it is staged for the dot (see _e4m3_to_f16)
     PREFILL_STAGES = 2  # 16 x 1024 fresh prefills: 548 vs 586 us bf16, 569 vs > 625 us fp8 at 3 (H200)
+    # an fp8 decode (not split): keys a step, warps, stages, and V converted by _e4m3_to_f16 on the GPU.
+    # 512 x 1536, Qwen3-8B heads, H200: 486.5 us against 512.5 for a plain cast at 64 keys, 2 warps
+    FP8_DECODE = (32, 1, 3)
+    FP8_V_ASM = True
+    FP8_SPLIT_WARPS = 2  # fp8 decode split over segments (cast): 343 vs 397 us at 4 warps (256 x 1536)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132):
         self.G = num_heads // num_kv_heads
@@ -252,14 +255,22 @@ class TritonAttentionBackend:
                 self._launch(q, kv_cache, out, meta, st, launch, scale)
         return out
 
+    def _shape(self, launch: _Launch, st: TritonState, fp8: bool, on_gpu: bool) -> tuple[int, int, int, bool]:
+        """(keys a step, warps, pipeline stages, V by asm) of one launch: each kind gets what measured best."""
+        if launch is st.prefill:
+            return self.TILE, self.NUM_WARPS, self.PREFILL_STAGES, False
+        if launch.num_segments > 1:
+            return self.SPLIT_TILE, self.FP8_SPLIT_WARPS if fp8 else self.NUM_WARPS, self.NUM_STAGES, False
+        if fp8:
+            return *self.FP8_DECODE, self.FP8_V_ASM and on_gpu
+        return self.TILE, self.NUM_WARPS, self.NUM_STAGES, False
+
     def _launch(self, q, kv_cache, out, meta, st, launch: _Launch, scale):
         segs = launch.num_segments
-        tile = self.SPLIT_TILE if segs > 1 else self.TILE
         grid = (launch.tile_seq.shape[0], self.num_kv_heads, segs)
         split = segs > 1  # without segments the kernel writes `out` and never touches the partials
         fp8 = kv_cache.element_size() == 1
-        warps = self.FP8_DECODE_WARPS if fp8 and launch is st.decode else self.NUM_WARPS
-        stages = self.NUM_STAGES if launch is st.decode else self.PREFILL_STAGES
+        tile, warps, stages, v_asm = self._shape(launch, st, fp8, kv_cache.is_cuda)
         _paged_attention[grid](
             q, kv_cache, out, st.part_acc if split else out, st.part_ml if split else out,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, launch.tile_seq, launch.tile_qoff,
@@ -268,7 +279,7 @@ class TritonAttentionBackend:
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
             G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, FP16_DOTS=fp8,
-            V_CVT_ASM=fp8 and self.FP8_V_ASM and kv_cache.is_cuda,
+            V_CVT_ASM=v_asm,
             num_warps=warps, num_stages=stages,
         )
         if split:
