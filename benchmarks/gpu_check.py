@@ -30,9 +30,10 @@ def main() -> None:
         ("Qwen3-8B mixed, fp8 KV: 1k chunk after 1k ctx + 15 decodes", 32, 8, 128, 16, [1024] + [1] * 15, [1000] + [900] * 15),
     ]
     for name, h, kvh, d, bs, ql, cl in cases:
+        cl = [int(c) for c in cl]
         kv_dtype = torch.float8_e4m3fn if "fp8" in name else None
         arch = "llama" if "Llama" in name else "qwen3"
-        err, cache_err = compare(arch, h, kvh, d, bs, ql, [int(c) for c in cl], torch.bfloat16, kv_dtype)
+        err, cache_err = compare(arch, h, kvh, d, bs, ql, cl, torch.bfloat16, kv_dtype)
         # fp8: torch and the fused store may round a written element one e4m3 step apart (up to 12 %),
         # which a long chunk's own keys carry into its scores; the read path below is checked tightly
         ok = err < (5e-2 if kv_dtype is not None else 2e-2) and cache_err < 2e-2
@@ -41,7 +42,7 @@ def main() -> None:
             for asm in (True, False):
                 be = TritonAttentionBackend(h, kvh, d)
                 be.FP8_V_ASM = asm
-                rerr = read_path_error(h, kvh, d, bs, ql, [int(c) for c in cl], kv_dtype, be)
+                rerr = read_path_error(h, kvh, d, bs, ql, cl, kv_dtype, be)
                 print(f"  read path only, V {'asm' if asm else 'cast'}: rel err {rerr:.2e} {'OK' if rerr < 1e-2 else 'FAIL'}")
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
