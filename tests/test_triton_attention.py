@@ -147,3 +147,27 @@ def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
     decode_splits = {segs for block_q, segs in launched if block_q == 1}
     assert decode_splits == {1, 2, 4}
     assert (backend.prefill_block_q, 1) in launched
+
+
+def test_cuda_fp8_decode_serves_only_the_launches_it_covers():
+    """The CUDA fp8 decode (checked against the torch reference on the GPU by benchmarks/gpu_check.py)
+    takes e4m3 decodes of head dim 128, <= 8 heads a KV head and 16-token blocks on CUDA; every other
+    launch, and every launch here on the CPU, runs the Triton kernel and the reason is logged."""
+    from pagedserve.model.cuda_decode import CudaFp8Decode
+
+    cpu = torch.device("cpu")
+    assert "head dim 64" in CudaFp8Decode.unsupported(4, 64, 16, cpu)
+    assert "16 query heads" in CudaFp8Decode.unsupported(16, 128, 16, cpu)
+    assert "block size 8" in CudaFp8Decode.unsupported(4, 128, 8, cpu)
+    assert CudaFp8Decode.unsupported(4, 128, 32, cpu) == "not a CUDA device"
+    assert CudaFp8Decode.build(4, 8, 128, 32, cpu) is None
+    be = TritonAttentionBackend(8, 2, 128)
+    meta, _ = make_batch(np.random.default_rng(0), [1, 1], [5, 40], 16, 8)
+    be.prepare(meta, 16)
+    cache = torch.zeros((2, 8, 16, 2, 128), dtype=torch.float8_e4m3fn, device=DEV)
+    q = torch.zeros((2, 8, 128), dtype=torch.bfloat16, device=DEV)
+    st = meta.backend_state
+    if DEV.type == "cpu":
+        assert be._cuda_kernel(q, cache, st.decode, st) is None
+    assert be._cuda_kernel(q.float(), cache, st.decode, st) is None  # fp32 queries: Triton
+    assert be._cuda_kernel(q, cache.view(torch.float8_e5m2), st.decode, st) is None  # e5m2: Triton

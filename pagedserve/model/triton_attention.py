@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.model.attention import AttentionMetadata, to_device
+from pagedserve.model.cuda_decode import CudaFp8Decode
 from pagedserve.model.fused import qkv_rope_store
 
 
@@ -185,6 +186,7 @@ class TritonAttentionBackend:
     FP8_DECODE = (32, 1, 3)
     FP8_V_ASM = True
     FP8_SPLIT_WARPS = 2  # fp8 decode split over segments (cast): 343 vs 397 us at 4 warps (256 x 1536)
+    CUDA_FP8_DECODE = True  # e4m3 decodes not split: the CUDA kernel of cuda_decode.py where it applies
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132):
         self.G = num_heads // num_kv_heads
@@ -193,6 +195,7 @@ class TritonAttentionBackend:
         # a decode tile is one token: its G heads padded to the smallest dot the tensor cores take
         self.decode_block_m = max(16, triton.next_power_of_2(self.G))
         self.prefill_block_q = max(1, self.PREFILL_ROWS // self.G)
+        self._cuda_decode: dict[int, CudaFp8Decode | None] = {}  # by block size, built at the first launch
 
     def decode_segments(self, batch: int, max_seq_len: int) -> int:
         """Split long keys over programs when the batch alone cannot fill the GPU."""
@@ -265,7 +268,21 @@ class TritonAttentionBackend:
             return *self.FP8_DECODE, self.FP8_V_ASM and on_gpu
         return self.TILE, self.NUM_WARPS, self.NUM_STAGES, False
 
+    def _cuda_kernel(self, q, kv_cache, launch: _Launch, st: TritonState) -> CudaFp8Decode | None:
+        """The CUDA fp8 decode for this launch, if it is one the kernel covers."""
+        if not (self.CUDA_FP8_DECODE and launch is st.decode and launch.num_segments == 1 and kv_cache.is_cuda
+                and kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16):
+            return None
+        page = kv_cache.shape[2]
+        if page not in self._cuda_decode:
+            self._cuda_decode[page] = CudaFp8Decode.build(self.G, self.num_kv_heads, self.head_dim, page, q.device)
+        return self._cuda_decode[page]
+
     def _launch(self, q, kv_cache, out, meta, st, launch: _Launch, scale):
+        cuda = self._cuda_kernel(q, kv_cache, launch, st)
+        if cuda is not None:
+            cuda(q, kv_cache, out, meta, launch.tile_seq, scale)
+            return
         segs = launch.num_segments
         grid = (launch.tile_seq.shape[0], self.num_kv_heads, segs)
         split = segs > 1  # without segments the kernel writes `out` and never touches the partials
