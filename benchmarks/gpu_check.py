@@ -28,6 +28,8 @@ def main() -> None:
         ("Llama-3-8B decode, fp8 KV", 32, 8, 128, 16, [1] * 16, [700] * 16),
         ("Qwen3-8B decode x256, ctx 1-2k, fp8 KV", 32, 8, 128, 16, [1] * 256, list(np.random.default_rng(2).integers(1, 2048, 256))),
         ("Qwen3-8B mixed, fp8 KV: 1k chunk after 1k ctx + 15 decodes", 32, 8, 128, 16, [1024] + [1] * 15, [1000] + [900] * 15),
+        ("Qwen3-0.6B decode x300, ctx 1-3k, block 32, fp8 KV", 16, 8, 128, 32, [1] * 300, list(np.random.default_rng(3).integers(1, 3000, 300))),
+        ("Qwen3-8B mixed, fp8 KV: 300-token prefill + 100 decodes", 32, 8, 128, 16, [300] + [1] * 100, [0] + list(range(1, 1000, 10))),
     ]
     for name, h, kvh, d, bs, ql, cl in cases:
         cl = [int(c) for c in cl]
@@ -38,12 +40,13 @@ def main() -> None:
         # which a long chunk's own keys carry into its scores; the read path below is checked tightly
         ok = err < (5e-2 if kv_dtype is not None else 2e-2) and cache_err < 2e-2
         print(f"{name:<55} rel err {err:.2e} (K/V cache {cache_err:.2e}) {'OK' if ok else 'FAIL'}", flush=True)
-        if kv_dtype is not None:  # the read path on one shared cache, fp8 V converted by asm and by a cast
-            for asm in (True, False):
+        if kv_dtype is not None:  # the read path on one shared cache: the CUDA decode, Triton's V by asm / cast
+            for label, cuda, asm in (("CUDA decode", True, True), ("Triton, V asm", False, True),
+                                     ("Triton, V cast", False, False)):
                 be = TritonAttentionBackend(h, kvh, d)
-                be.FP8_V_ASM = asm
+                be.CUDA_FP8_DECODE, be.FP8_V_ASM = cuda, asm
                 rerr = read_path_error(h, kvh, d, bs, ql, cl, kv_dtype, be)
-                print(f"  read path only, V {'asm' if asm else 'cast'}: rel err {rerr:.2e} {'OK' if rerr < 1e-2 else 'FAIL'}")
+                print(f"  read path only, {label}: rel err {rerr:.2e} {'OK' if rerr < 1e-2 else 'FAIL'}")
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {}
@@ -57,6 +60,17 @@ def main() -> None:
         torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(outs["torch"], outs["triton"]))
     print(f"greedy sequences identical, triton vs torch backend (fp32, chunked prefill + CUDA graphs): {same}/{len(prompts)}")
+    # bf16 with an fp8 cache: decodes (graphed) by the CUDA kernel vs the Triton kernel; bf16 rounding may
+    # flip a near-tie argmax, so this counts agreement rather than demanding it
+    for cuda in (True, False):
+        TritonAttentionBackend.CUDA_FP8_DECODE = cuda
+        llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", kv_cache_dtype="fp8", max_model_len=1024,
+                  gpu_memory_utilization=0.3, max_num_batched_tokens=256, max_num_seqs=8)
+        outs[cuda] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+        torch.cuda.empty_cache()
+    same = sum(a == b for a, b in zip(outs[True], outs[False]))
+    print(f"greedy sequences identical, bf16 + fp8 KV, CUDA vs Triton decode: {same}/{len(prompts)}")
 
 
 if __name__ == "__main__":
