@@ -60,17 +60,24 @@ def main() -> None:
         torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(outs["torch"], outs["triton"]))
     print(f"greedy sequences identical, triton vs torch backend (fp32, chunked prefill + CUDA graphs): {same}/{len(prompts)}")
-    # bf16 with an fp8 cache: decodes (graphed) by the CUDA kernel vs the Triton kernel; bf16 rounding may
-    # flip a near-tie argmax, so this counts agreement rather than demanding it
-    for cuda in (True, False):
+    # bf16 with an fp8 cache, decodes graphed: the torch reference, Triton with the CUDA fp8 decode, and
+    # Triton alone. bf16 rounding flips near-tie argmaxes of random weights, so this reports agreement
+    # (sequences identical, mean common prefix) for each against the reference rather than demanding it
+    fp8 = {}
+    for label, backend, cuda in (("torch", "torch", False), ("CUDA decode", "triton", True),
+                                 ("Triton decode", "triton", False)):
         TritonAttentionBackend.CUDA_FP8_DECODE = cuda
-        llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", kv_cache_dtype="fp8", max_model_len=1024,
-                  gpu_memory_utilization=0.3, max_num_batched_tokens=256, max_num_seqs=8)
-        outs[cuda] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", kv_cache_dtype="fp8", attention_backend=backend,
+                  max_model_len=1024, gpu_memory_utilization=0.3, max_num_batched_tokens=256, max_num_seqs=8)
+        fp8[label] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
         torch.cuda.empty_cache()
-    same = sum(a == b for a, b in zip(outs[True], outs[False]))
-    print(f"greedy sequences identical, bf16 + fp8 KV, CUDA vs Triton decode: {same}/{len(prompts)}")
+    TritonAttentionBackend.CUDA_FP8_DECODE = True
+    for label in ("CUDA decode", "Triton decode"):
+        pairs = list(zip(fp8["torch"], fp8[label]))
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs]
+        print(f"bf16 + fp8 KV, {label} vs torch: {sum(a == b for a, b in pairs)}/{len(pairs)} identical, "
+              f"mean common prefix {np.mean(prefix):.1f}/{params.max_tokens} tokens")
 
 
 if __name__ == "__main__":

@@ -126,7 +126,12 @@ def main() -> None:
     add_workload_args(ap)
     ap.add_argument("--hf-peer", action="store_true", help="also run transformers on the same weights")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--fp8-decode", choices=("cuda", "triton"), default="cuda",
+                    help="the kernel of fp8 decodes (A/B of model/cuda_decode.py against the Triton kernel)")
     ns = ap.parse_args()
+    from pagedserve.model.triton_attention import TritonAttentionBackend
+
+    TritonAttentionBackend.CUDA_FP8_DECODE = ns.fp8_decode == "cuda"
     prompts, outs = workload(ns)
     results = []
     if ns.hf_peer:

@@ -1,7 +1,10 @@
 """Where decode time goes: a kernel-level profile of one eager decode step, and the paged-attention
 kernel alone at a few tile shapes with its achieved bandwidth.
 
-python benchmarks/profile_decode.py [--kernels-only | --fp8 | --segments | --prefill | --ncu]
+python benchmarks/profile_decode.py [--kernels-only | --fp8 | --cuda | --fp8-step | --segments | --prefill | --ncu]
+
+--cuda: the fp8 decode alone, the CUDA kernel (2, 4, 8 warps a CTA) against the Triton kernel.
+--fp8-step: the kernel profile of one 512-sequence Qwen3-8B decode step over an fp8 cache.
 
 --ncu: only a few fp8 decode launches at 256 x 1536, for Nsight Compute:
 ncu --clock-control none -k regex:_paged_attention --launch-skip 2 --launch-count 1 python benchmarks/profile_decode.py --ncu
@@ -24,9 +27,10 @@ from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E4
 from tests.test_triton_attention import make_batch  # noqa: E402
 
 
-def profile_step(model: str, batch: int, ctx: int) -> None:
+def profile_step(model: str, batch: int, ctx: int, kv_cache_dtype: str = "auto") -> None:
     llm = LLM(model, load_format="dummy", dtype="bfloat16", enforce_eager=True, max_model_len=ctx + 64,
-              gpu_memory_utilization=0.6, max_num_seqs=max(batch, 1))
+              gpu_memory_utilization=0.85 if kv_cache_dtype == "fp8" else 0.6, max_num_seqs=max(batch, 1),
+              kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=max(8192, batch))
     engine = llm.engine
     for i in range(batch):
         engine.add_request(str(i), list(range(ctx)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -38,7 +42,7 @@ def profile_step(model: str, batch: int, ctx: int) -> None:
         for _ in range(5):
             engine.step()
         torch.cuda.synchronize()
-    print(f"\n== {model}, {batch} decodes at context {ctx}: CUDA time per step by kernel (5 steps)")
+    print(f"\n== {model}, {batch} decodes at context {ctx}, KV {kv_cache_dtype}: CUDA time per step by kernel (5 steps)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     del llm, engine
     torch.cuda.empty_cache()
@@ -88,6 +92,30 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
               f"{kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
+def cuda_vs_triton(batch: int, context_lens: list[int], heads=32, kv_heads=8) -> None:
+    """The fp8 decode alone: the CUDA kernel (cuda_decode.py) at 2, 4 and 8 warps a CTA against the
+    Triton kernel at its engine shape, on the same cache, with the K/V bandwidth each reaches."""
+    from pagedserve.model.cuda_decode import CudaFp8Decode
+
+    cache, q, meta = paged_inputs(heads, kv_heads, [1] * batch, context_lens, torch.float8_e4m3fn)
+    kv_bytes = sum(c + 1 for c in context_lens) * kv_heads * D * 2
+    be = TritonAttentionBackend(heads, kv_heads, D, sm_count(cache.device))
+    be.CUDA_FP8_DECODE = False
+    be.decode_segments = lambda b, s: 1  # one CTA a (sequence, KV head), as the CUDA kernel runs
+    be.prepare(meta, BS)
+    arms = [("Triton", lambda: be.attend(q, cache, meta, D ** -0.5))]
+    out = torch.empty_like(q)
+    for warps in (2, 4, 8):
+        k = CudaFp8Decode.build(heads // kv_heads, kv_heads, D, BS, cache.device, warps=warps)
+        arms.append((f"CUDA {warps} warps", lambda k=k: k(q, cache, out, meta, meta.backend_state.decode.tile_seq,
+                                                            D ** -0.5)))
+    print(f"\n== fp8 decode alone, {batch} x context {min(context_lens)}..{max(context_lens)}, "
+          f"{kv_bytes / 2**30:.2f} GiB of K/V per call")
+    for name, fn in arms:
+        ms = triton.testing.do_bench(fn, rep=200)
+        print(f"  {name:<13}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
+
+
 def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, length=1024) -> None:
     """Fresh causal prefills (a 16k-token chunk of 1024-token prompts) over the prefill tile shape."""
     cache, q, meta = paged_inputs(heads, kv_heads, [length] * prompts, [0] * prompts, kv_dtype)
@@ -127,6 +155,15 @@ if __name__ == "__main__":
         for kv in (torch.float8_e4m3fn, torch.bfloat16):
             attention_alone("Qwen3-8B heads, 256 decodes at 1536", 32, 8, 256, 1536, kv,
                             [(64, st, sg, 2) for st in (2, 3) for sg in (1, 2, 4, 8)])
+        sys.exit(0)
+    if "--cuda" in sys.argv:
+        rng = np.random.default_rng(4)
+        for batch in (256, 512):
+            cuda_vs_triton(batch, [1536] * batch)
+            cuda_vs_triton(batch, [int(c) for c in rng.integers(1, 2048, batch)])
+        sys.exit(0)
+    if "--fp8-step" in sys.argv:
+        profile_step("Qwen/Qwen3-8B", 512, 1536, kv_cache_dtype="fp8")
         sys.exit(0)
     if "--ncu" in sys.argv:
         ncu_launches()
