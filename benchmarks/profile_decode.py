@@ -28,21 +28,27 @@ from tests.test_triton_attention import make_batch  # noqa: E402
 
 
 def profile_step(model: str, batch: int, ctx: int, kv_cache_dtype: str = "auto") -> None:
-    llm = LLM(model, load_format="dummy", dtype="bfloat16", enforce_eager=True, max_model_len=ctx + 64,
+    chunk = max(8192, batch)
+    max_tokens = -(-batch * ctx // chunk) + 32  # no request finishes before the last prompt is admitted
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", enforce_eager=True, max_model_len=ctx + max_tokens + 16,
               gpu_memory_utilization=0.85 if kv_cache_dtype == "fp8" else 0.6, max_num_seqs=max(batch, 1),
-              kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=max(8192, batch))
+              kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=chunk)
     engine = llm.engine
     for i in range(batch):
-        engine.add_request(str(i), list(range(ctx)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    while engine.core.counters.generation_tokens < batch * 4:  # past the prefill
+        engine.add_request(str(i), list(range(ctx)), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    # past every prompt's prefill (its first token counts its prompt), so the profiled steps are decodes only
+    while engine.core.counters.prompt_tokens < batch * ctx or engine.core.counters.generation_tokens < batch * 4:
         engine.step()
+    tokens_before = engine.core.counters.generation_tokens
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             engine.step()
         torch.cuda.synchronize()
-    print(f"\n== {model}, {batch} decodes at context {ctx}, KV {kv_cache_dtype}: CUDA time per step by kernel (5 steps)")
+    decodes = (engine.core.counters.generation_tokens - tokens_before) / 5
+    print(f"\n== {model}, {decodes:.0f} decodes a step at context {ctx}+, KV {kv_cache_dtype}: CUDA time per step "
+          "by kernel (5 steps)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     del llm, engine
     torch.cuda.empty_cache()
