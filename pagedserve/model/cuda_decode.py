@@ -58,6 +58,11 @@ class CudaFp8Decode:
         logger.info("fp8 decodes: Triton kernel (CUDA kernel unused: %s)", reason)
         return None
 
+    @staticmethod
+    def takes(q: torch.Tensor) -> bool:
+        """The kernel reads each thread's 32 query values with 16-byte loads: rows must stay 16-byte aligned."""
+        return q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.data_ptr() % 16 == 0
+
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, meta, tile_seq: torch.Tensor,
                  scale: float) -> None:
         kc = kv_cache.view(torch.uint8)

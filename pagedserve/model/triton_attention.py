@@ -271,7 +271,7 @@ class TritonAttentionBackend:
     def _cuda_kernel(self, q, kv_cache, launch: _Launch, st: TritonState) -> CudaFp8Decode | None:
         """The CUDA fp8 decode for this launch, if it is one the kernel covers."""
         if not (self.CUDA_FP8_DECODE and launch is st.decode and launch.num_segments == 1 and kv_cache.is_cuda
-                and kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16):
+                and kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and CudaFp8Decode.takes(q)):
             return None
         page = kv_cache.shape[2]
         if page not in self._cuda_decode:
