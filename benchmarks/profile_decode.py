@@ -34,8 +34,10 @@ def profile_step(model: str, batch: int, ctx: int, kv_cache_dtype: str = "auto")
               gpu_memory_utilization=0.85 if kv_cache_dtype == "fp8" else 0.6, max_num_seqs=max(batch, 1),
               kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=chunk)
     engine = llm.engine
+    rng = np.random.default_rng(0)  # distinct prompts: a shared one would be a cached prefix read from L2
     for i in range(batch):
-        engine.add_request(str(i), list(range(ctx)), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request(str(i), rng.integers(0, 30000, ctx).tolist(),
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     # past every prompt's prefill (its first token counts its prompt), so the profiled steps are decodes only
     while engine.core.counters.prompt_tokens < batch * ctx or engine.core.counters.generation_tokens < batch * 4:
         engine.step()
