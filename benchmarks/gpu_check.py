@@ -63,7 +63,7 @@ def main() -> None:
     # bf16 with an fp8 cache, decodes graphed: the torch reference, Triton with the CUDA fp8 decode, and
     # Triton alone. bf16 rounding flips near-tie argmaxes of random weights, so this reports agreement
     # (sequences identical, mean common prefix) for each against the reference rather than demanding it
-    fp8 = {}
+    fp8, default = {}, TritonAttentionBackend.CUDA_FP8_DECODE
     for label, backend, cuda in (("torch", "torch", False), ("CUDA decode", "triton", True),
                                  ("Triton decode", "triton", False)):
         TritonAttentionBackend.CUDA_FP8_DECODE = cuda
@@ -72,7 +72,7 @@ def main() -> None:
         fp8[label] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
         torch.cuda.empty_cache()
-    TritonAttentionBackend.CUDA_FP8_DECODE = True
+    TritonAttentionBackend.CUDA_FP8_DECODE = default
     for label in ("CUDA decode", "Triton decode"):
         pairs = list(zip(fp8["torch"], fp8[label]))
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs]

@@ -151,7 +151,7 @@ def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
 
 def test_cuda_fp8_decode_serves_only_the_launches_it_covers():
     """The CUDA fp8 decode (checked against the torch reference on the GPU by benchmarks/gpu_check.py)
-    takes e4m3 decodes of head dim 128, <= 8 heads a KV head and 16-token blocks on CUDA; every other
+    takes e4m3 decodes of head dim 128, <= 8 heads a KV head and blocks a multiple of 16 on CUDA; every other
     launch, and every launch here on the CPU, runs the Triton kernel and the reason is logged."""
     from pagedserve.model.cuda_decode import CudaFp8Decode
 
