@@ -143,9 +143,9 @@ def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
     llm = LLM("tiny", attention_backend="triton", kv_cache_memory="4MiB", max_model_len=2048)
     backend = llm.engine.core.runner.backend
     top = backend.decode_segments(1, 2048)
-    assert top == 4  # 2 KV heads, 2048 keys: four segments of 512 for one long decode
+    assert top == 16  # 2 KV heads, 2048 keys: sixteen segments of one 128-key tile for one long decode
     decode_splits = {segs for block_q, segs in launched if block_q == 1}
-    assert decode_splits == {1, 2, 4}
+    assert decode_splits == {1, 2, 4, 8, 16}
     assert (backend.prefill_block_q, 1) in launched
 
 
