@@ -9,18 +9,22 @@ Qwen3-8B was 5.09 ms with it against 5.03 ms without (docs/benchmarks.md). Kept 
 alternative to re-run on a newer Triton or GPU.
 
 python benchmarks/gemv.py [--quick] [--no-sweep]
+python benchmarks/gemv.py --cuda   # the model's CUDA GEMV (model/gemv.cu) against cuBLAS instead
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 @triton.jit
@@ -207,10 +211,62 @@ def step_graph(m: int, fn, weights, head) -> tuple[float, int]:
     return ms, nbytes
 
 
+def graph_us(fn, count: int) -> float:
+    """Microseconds per call of ``fn(i)`` for i in range(count), all captured in one CUDA graph."""
+    for i in range(count):
+        fn(i)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(count):
+            fn(i)
+    return triton.testing.do_bench(g.replay, rep=200) * 1e3 / count
+
+
+def label(g) -> str:
+    return f"{g.warps}w/u{g.unroll}{'' if g._pdl else ' no PDL'}"
+
+
+def cuda_report() -> None:
+    """pagedserve's CUDA GEMV (model/gemv.cu) against cuBLAS, each shape on distinct weights back to back in
+    a graph (what a decode step sees: no weight is in L2), then a whole step's projections."""
+    from pagedserve.model import fused
+    from pagedserve.model.cuda_gemv import CudaGemv
+
+    dev = torch.device("cuda")
+    variants = [CudaGemv(dev, warps, unroll) for warps, unroll in ((32, 4), (32, 4), (16, 8), (32, 2), (24, 4))]
+    variants[1]._pdl = None  # the same kernel with plain launches
+    for name, (n, k) in SHAPES.items():
+        count = 4 if name == "lm_head" else LAYERS
+        ws = [torch.empty((n, k), device=dev, dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(count)]
+        silu = name == "down"
+        x = torch.randn((1, 2 * k if silu else k), device=dev, dtype=torch.bfloat16)
+        xin = fused.silu_mul(x) if silu else x
+        ref = F.linear(xin.float(), ws[0].float())
+        nbytes = n * k * 2
+        t = graph_us(lambda i: F.linear(fused.silu_mul(x) if silu else x, ws[i]), count)
+        line = [f"{name} [{n} x {k}]: cuBLAS{' + silu_mul' if silu else ''} {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s)"]
+        for g in variants:
+            if not g.takes(x, ws[0], silu_mul=silu):
+                continue
+            err = ((g(x, ws[0], silu_mul=silu).float() - ref).abs().max() / ref.abs().max()).item()
+            t = graph_us(lambda i: g(x, ws[i], silu_mul=silu), count)
+            line.append(f"{label(g)} {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s, err {err:.1e})")
+        print(" | ".join(line))
+    weights, head = step_weights()
+    ms, nbytes = step_graph(1, lambda name, x, w: F.linear(x, w), weights, head)
+    print(f"step's projections, cuBLAS: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
+    for g in variants:
+        ms, nbytes = step_graph(1, lambda name, x, w: g(x, w), weights, head)
+        print(f"step's projections, CUDA GEMV {label(g)}: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
+
+
 def main() -> None:
     global USE_PDL
     quick = "--quick" in sys.argv
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    if "--cuda" in sys.argv:
+        cuda_report()
+        return
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     t = triton.testing.do_bench(lambda: b.copy_(a), rep=100)

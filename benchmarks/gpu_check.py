@@ -10,10 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.model import fused  # noqa: E402
+from pagedserve.model.cuda_gemv import CudaGemv  # noqa: E402
 from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E402
 from tests.test_triton_attention import compare, read_path_error  # noqa: E402
 
@@ -47,8 +50,10 @@ def main() -> None:
                 be.CUDA_FP8_DECODE, be.FP8_V_ASM = cuda, asm
                 rerr = read_path_error(h, kvh, d, bs, ql, cl, kv_dtype, be)
                 print(f"  read path only, {label}: rel err {rerr:.2e} {'OK' if rerr < 1e-2 else 'FAIL'}")
+    check_gemv()
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    agreement("bf16, one request at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params), params)
     outs = {}
     for backend in ("torch", "triton"):
         t0 = time.perf_counter()
@@ -74,10 +79,53 @@ def main() -> None:
         torch.cuda.empty_cache()
     TritonAttentionBackend.CUDA_FP8_DECODE = default
     for label in ("CUDA decode", "Triton decode"):
-        pairs = list(zip(fp8["torch"], fp8[label]))
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs]
-        print(f"bf16 + fp8 KV, {label} vs torch: {sum(a == b for a, b in pairs)}/{len(pairs)} identical, "
-              f"mean common prefix {np.mean(prefix):.1f}/{params.max_tokens} tokens")
+        agreement(f"bf16 + fp8 KV, {label} vs torch", (fp8["torch"], fp8[label]), params)
+
+
+def agreement(label: str, runs: tuple[list, list], params: SamplingParams) -> None:
+    """Sequences identical and mean common prefix of two runs' greedy tokens."""
+    pairs = list(zip(*runs))
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in pairs]
+    print(f"{label}: {sum(a == b for a, b in pairs)}/{len(pairs)} identical, "
+          f"mean common prefix {np.mean(prefix):.1f}/{params.max_tokens} tokens")
+
+
+def check_gemv() -> None:
+    """The CUDA GEMV on Qwen3-8B's and Qwen3-0.6B's projection shapes against an fp32 product."""
+    dev = torch.device("cuda")
+    gemv = CudaGemv(dev)
+    for n, k, silu in ((6144, 4096, False), (4096, 4096, False), (24576, 4096, False), (4096, 12288, True),
+                       (151936, 4096, False), (4096, 1024, False), (1024, 3072, True), (100, 768, False)):
+        w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
+        x = torch.randn((1, 2 * k if silu else k), device=dev, dtype=torch.bfloat16)
+        ref = F.linear(fused.silu_mul(x).float() if silu else x.float(), w.float())
+        err = ((gemv(x, w, silu_mul=silu).float() - ref).abs().max() / ref.abs().max()).item()
+        print(f"CUDA GEMV [{n} x {k}]{' silu-mul' if silu else ''}: rel err {err:.2e} {'OK' if err < 1e-2 else 'FAIL'}")
+    for n, k, has_res in ((6144, 4096, False), (6144, 4096, True), (24576, 4096, True), (2048, 1024, True)):
+        w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
+        x, r = (torch.randn((1, k), device=dev, dtype=torch.bfloat16) for _ in range(2))
+        nw = (torch.rand(k, device=dev) + 0.5).to(torch.bfloat16)
+        normed, want_res = fused.rms_norm(x, nw, 1e-6, r) if has_res else (fused.rms_norm(x, nw, 1e-6), x)
+        ref = F.linear(normed.float(), w.float())
+        y, res = gemv.norm_project(x, r if has_res else None, nw, 1e-6, w)
+        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        ok = err < 1e-2 and torch.equal(res, want_res)
+        print(f"CUDA GEMV with RMSNorm{' + residual' if has_res else ''} [{n} x {k}]: rel err {err:.2e}, "
+              f"residual {'equal' if torch.equal(res, want_res) else 'DIFFERS'} {'OK' if ok else 'FAIL'}")
+
+
+def gemv_runs(prompts, params) -> tuple[list, list]:
+    """Qwen3-0.6B bf16 greedy tokens, one request at a time (one-row decodes), on cuBLAS and on the GEMV."""
+    runs, default = [], CudaGemv.ENABLED
+    for on in (False, True):
+        CudaGemv.ENABLED = on
+        llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.3,
+                  max_num_seqs=1)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+        torch.cuda.empty_cache()
+    CudaGemv.ENABLED = default
+    return runs[0], runs[1]
 
 
 if __name__ == "__main__":

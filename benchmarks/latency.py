@@ -1,6 +1,6 @@
 """Single-request decode latency (issue target 1) and where a step's time goes.
 
-python benchmarks/latency.py --model Qwen/Qwen3-8B --input-len 1024 --output-len 256
+python benchmarks/latency.py --model Qwen/Qwen3-8B --input-len 1024 --output-len 256 [--gemv cuda,cublas] [--decode-segments 4,16]
 
 Prints TTFT, inter-token latency (mean / p50 / p99 over the steps after the first token), the GPU time of
 one captured decode graph replay (CUDA events), and the host time of each phase of a step. The host
@@ -11,6 +11,8 @@ so the wait for that step's token is where the device time shows up on the host.
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.memory import GiB, weight_bytes  # noqa: E402
+from pagedserve.model.cuda_gemv import CudaGemv  # noqa: E402
+from pagedserve.model.layers import use_gemv  # noqa: E402
 
 
 def main() -> None:
@@ -32,6 +36,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gemv", default="", help="comma-separated kernels for one-row projections: cublas, or cuda with "
+                    "-unfused (norms as kernels of their own) and/or -nopdl (plain launches) and :WARPSxUNROLL "
+                    "to measure one after another, decode graphs captured again for each")
+    ap.add_argument("--decode-segments", default="",
+                    help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")
+    ap.add_argument("--profile", action="store_true", help="also print a kernel profile of bs=1 graph replays")
     ns = ap.parse_args()
     llm = LLM(ns.model, load_format="dummy", dtype=ns.dtype, max_model_len=ns.input_len + ns.output_len + 16,
               gpu_memory_utilization=ns.gpu_memory_utilization, max_num_seqs=16)
@@ -41,6 +51,61 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
 
+    gemvs = ns.gemv.split(",") if ns.gemv else [None]
+    w = weight_bytes(engine.config.model, engine.config.dtype)
+    print(f"model {ns.model} ({engine.config.dtype}), weights {w / GiB:.2f} GiB, {ns.input_len} in / {ns.output_len} out, "
+          f"{ns.repeats} runs; weights-only HBM floor at 4.3 TB/s: {w / 4.3e12 * 1000:.3f} ms")
+    first = None
+    check = SamplingParams(temperature=0, max_tokens=min(64, ns.output_len), ignore_eos=True)
+    segments = [int(n) for n in ns.decode_segments.split(",")] if ns.decode_segments else [None]
+    settings = list(itertools.product(gemvs, segments))
+    for gemv, segs in settings:
+        if gemv is not None or segs is not None:
+            recapture(core.runner, gemv, segs)
+        measure(engine, prompt, params, ns.repeats)
+        if ns.profile:
+            profile_replays(core.runner)
+        tokens = llm.generate([prompt], check, use_tqdm=False)[0].outputs[0].token_ids
+        first = first or tokens
+        if len(settings) > 1:
+            print(f"{check.max_tokens} greedy tokens {'identical to' if tokens == first else 'DIFFER from'} the first setting's")
+
+
+def recapture(runner, gemv: str | None, segs: int | None) -> None:
+    """Decode graphs captured again with one-row projections on ``gemv`` ("cuda" or "cublas") and decodes
+    split over ``segs`` segments (None: as configured)."""
+    if not runner._graphs:
+        sys.exit("--gemv / --decode-segments: the runner has no decode graphs to capture again")
+    if gemv is not None:
+        CudaGemv.FUSE_NORM, CudaGemv.PDL = "unfused" not in gemv, "nopdl" not in gemv
+        if ":" in gemv:  # cuda:WARPSxUNROLL
+            CudaGemv.WARPS, CudaGemv.UNROLL = map(int, gemv.split(":")[1].split("x"))
+        use_gemv(runner.model, CudaGemv.build(runner.device) if gemv.startswith("cuda") else None)
+    if segs is not None:
+        runner.backend.decode_segments = lambda batch, max_seq_len: segs
+    runner._graphs.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner._capture_decode_graphs()
+    print(f"\n-- one-row projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
+          "segments")
+
+
+def graph_ms(graph, reps: int = 50) -> float:
+    """GPU time of one replay (CUDA events around ``reps`` back-to-back replays)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def measure(engine, prompt: list[int], params: SamplingParams, repeats: int) -> None:
+    core = engine.core
     phases = {"schedule": [], "execute": [], "update+outputs": []}
     sched, runner = core.scheduler, core.runner
     orig_schedule, orig_execute = sched.schedule, runner.execute
@@ -55,8 +120,8 @@ def main() -> None:
 
     sched.schedule, runner.execute = timed(orig_schedule, "schedule"), timed(orig_execute, "execute")
     itls, ttfts = [], []
-    for rep in range(ns.repeats):
-        engine.add_request(f"r{rep}", prompt, params)
+    for rep in range(repeats):
+        engine.add_request(f"r{time.monotonic_ns()}", prompt, params)
         t0 = time.perf_counter()
         stamps = []  # when each token reached the caller (a step returns the previous step's token)
         while engine.has_unfinished_requests():
@@ -73,31 +138,27 @@ def main() -> None:
     # schedule() runs on every call; execute() only on calls that launch a step
     upd = np.array(phases["update+outputs"]).sum() - np.sum(phases["schedule"]) - np.sum(phases["execute"])
     itl = np.array(itls) * 1000
-
-    # GPU time of one bs=1 decode graph replay
-    gpu_ms = None
-    if runner._graphs:
-        graph = runner._graphs[1][0]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(5):
-            graph.replay()
-        start.record()
-        for _ in range(50):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        gpu_ms = start.elapsed_time(end) / 50
-    w = weight_bytes(engine.config.model, engine.config.dtype)
-    print(f"model {ns.model} ({engine.config.dtype}), weights {w / GiB:.2f} GiB, {ns.input_len} in / {ns.output_len} out, "
-          f"{ns.repeats} runs")
     print(f"TTFT: mean {np.mean(ttfts) * 1000:.1f} ms")
     print(f"ITL: mean {itl.mean():.3f} ms, p50 {np.percentile(itl, 50):.3f} ms, p99 {np.percentile(itl, 99):.3f} ms")
-    if gpu_ms is not None:
-        print(f"GPU time of one decode step (bs=1 graph replay, context of the last request): {gpu_ms:.3f} ms")
-        print(f"weights-only HBM floor at 4.3 TB/s: {w / 4.3e12 * 1000:.3f} ms")
+    if runner._graphs:  # GPU time of decode graph replays, at the context the last request left
+        times = {bs: graph_ms(g) for bs, (g, _, _) in sorted(runner._graphs.items()) if bs <= 64}
+        print("GPU time of one decode graph replay: " + ", ".join(f"bs={bs} {t:.3f} ms" for bs, t in times.items()))
     print(f"per step (mean over {steps} steps): schedule {np.mean(phases['schedule']) * 1e3:.3f} ms, "
           f"execute (host: inputs + launch) {np.mean(phases['execute']) * 1e3:.3f} ms, "
           f"wait for the previous step's token + update + detokenize {upd / steps * 1e3:.3f} ms")
+
+
+def profile_replays(runner, reps: int = 20) -> None:
+    """Kernel-level profile of bs=1 decode graph replays (kernels inside a graph are traced one by one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = runner._graphs[1][0]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    print(f"\n== kernels of {reps} bs=1 decode graph replays")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -77,8 +77,8 @@ def compare(model_type, heads, kv_heads, head_dim, block_size, query_lens, conte
     x = torch.randn((sum(query_lens), heads * head_dim), device=DEV, dtype=dtype)
     ref_cache, tri_cache = cache.clone(), cache.clone()
     with torch.no_grad():
-        want = ref(positions, x, ref_cache, meta_ref).float()
-        got = tri(positions, x, tri_cache, meta_tri).float()
+        want = ref(positions, ref.qkv_proj(x), ref_cache, meta_ref).float()
+        got = tri(positions, tri.qkv_proj(x), tri_cache, meta_tri).float()
     cache_err = (tri_cache.float() - ref_cache.float()).norm() / ref_cache.float().norm()
     return float((got - want).norm() / want.norm()), float(cache_err)
 

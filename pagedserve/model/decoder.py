@@ -13,7 +13,7 @@ from torch import nn
 from pagedserve.config import ModelConfig
 from pagedserve.memory import kv_heads_per_rank
 from pagedserve.model.attention import AttentionBackend, AttentionMetadata
-from pagedserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagedserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_project
 from pagedserve.model.parallel import all_gather_last_dim, all_reduce, tp
 
 # Hugging Face tensor name fragment -> (our parameter fragment, shard index in the merged tensor)
@@ -37,8 +37,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -61,8 +61,9 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         return q, k, v
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
-        out = self.backend.forward(self.qkv_proj(x), positions, self, kv_cache, meta)
+    def forward(self, positions, qkv, kv_cache, meta: AttentionMetadata):
+        """From the q/k/v projection (the layer runs it, with the norm before it) to o_proj's output."""
+        out = self.backend.forward(qkv, positions, self, kv_cache, meta)
         return all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -75,14 +76,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """Each norm goes with the projection after it (one kernel for a one-row step on the GEMV)."""
+        qkv, residual = norm_project(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
+        x = self.self_attn(positions, qkv, kv_cache, meta)
+        gate_up, residual = norm_project(self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj)
+        return self.mlp.act_down(gate_up), residual
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -126,7 +124,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, backend, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // tp().size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size // tp().size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -10,7 +10,36 @@ from torch import nn
 
 from pagedserve.config import ModelConfig
 from pagedserve.model import fused
+from pagedserve.model.cuda_gemv import CudaGemv, linear
 from pagedserve.model.parallel import all_reduce
+
+
+class Linear(nn.Linear):
+    """A projection whose one-row products on the GPU may run as the CUDA GEMV (``use_gemv``)."""
+
+    gemv: CudaGemv | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.gemv)
+
+
+def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, proj: Linear):
+    """``proj(norm(x + residual))`` and the new residual (x itself where there is none yet); one kernel
+    when the projection's GEMV takes the row, else the norm kernel then the projection."""
+    gemv = proj.gemv
+    if gemv is not None and proj.bias is None and gemv.takes_norm(x, residual, norm.weight, proj.weight):
+        return gemv.norm_project(x, residual, norm.weight, norm.eps, proj.weight)
+    if residual is None:
+        return proj(norm(x)), x
+    x, residual = norm(x, residual)
+    return proj(x), residual
+
+
+def use_gemv(model: nn.Module, gemv: CudaGemv | None) -> None:
+    """Route the model's one-row projections through ``gemv`` (None: cuBLAS for all)."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.gemv = gemv
 
 
 class RMSNorm(nn.Module):
@@ -76,17 +105,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up projections merged into one matrix (one GEMM instead of two)."""
+    """SwiGLU MLP with gate and up projections merged into one matrix (one GEMM instead of two). The layer
+    runs gate_up_proj itself, together with the norm before it (``norm_project``), then ``act_down``."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """With tensor parallelism each rank holds a slice of the width; the partial sums are reduced."""
-        gate_up = self.gate_up_proj(x)
-        if x.is_cuda:
-            return all_reduce(self.down_proj(fused.silu_mul(gate_up)))
+    def act_down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, then down_proj. With tensor parallelism each rank holds a slice of the width;
+        the partial sums are reduced."""
+        if gate_up.is_cuda:
+            down, gemv = self.down_proj, self.down_proj.gemv
+            if gemv is not None and gemv.takes(gate_up, down.weight, silu_mul=True):  # silu-mul fused in
+                return all_reduce(gemv(gate_up, down.weight, silu_mul=True))
+            return all_reduce(down(fused.silu_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
         return all_reduce(self.down_proj(F.silu(gate) * up))

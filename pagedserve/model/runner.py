@@ -23,6 +23,8 @@ from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.memory import GiB, MemoryBudget, activation_peak_estimate, compute_budget, kv_heads_per_rank
 from pagedserve.model import parallel
 from pagedserve.model.attention import AttentionMetadata, get_attention_backend, staged, to_device
+from pagedserve.model.cuda_gemv import CudaGemv
+from pagedserve.model.layers import use_gemv
 from pagedserve.model.loader import build_model
 from pagedserve.model.sampler import SamplerOutput, SamplingBatch, sample
 
@@ -116,6 +118,7 @@ class ModelRunner:
                                              m.num_heads // self.tp_size, self.num_kv_heads, m.head_dim)
         t0 = time.perf_counter()
         self.model = build_model(config, self.backend)
+        use_gemv(self.model, CudaGemv.build(self.device) if on_cuda else None)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("Model loading took %.2f GiB memory and %.2f seconds",
                     self.weight_bytes / GiB, time.perf_counter() - t0)

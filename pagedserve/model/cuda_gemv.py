@@ -1,0 +1,152 @@
+"""One-row bf16 projections as a hand-written CUDA GEMV (gemv.cu), compiled once per reduction length
+with NVRTC through torch. A decode step of one sequence is ~145 such projections whose weights are the
+whole cost; cuBLAS's kernels for one row leave SMs idle or add a split-K reduce kernel. Larger batches
+and every other shape keep cuBLAS (``F.linear``)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model.fused import sm_count
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("gemv.cu")
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+class CudaGemv:
+    """The compiled variants (by reduction length, and whether silu(gate) * up is formed from x)."""
+
+    ENABLED = True  # False: cuBLAS for every projection (the engine's A/B switch)
+    PDL = True  # programmatic dependent launch on sm_90+ (False: plain launches)
+    FUSE_NORM = True  # RMSNorm (+ residual) staged by the projection after it (False: the norm kernel runs)
+    # one CTA of 32 warps a multiprocessor, 4 16-byte loads a lane in flight (8 across a step boundary):
+    # a Qwen3-8B step's projections took 3.716 ms in a graph against 3.846 at 16 warps x 8 loads and
+    # 4.172 on cuBLAS (benchmarks/gemv.py --cuda, H200)
+    WARPS = 32
+    UNROLL = 4
+
+    def __init__(self, device: torch.device, warps: int | None = None, unroll: int | None = None):
+        self.device = device
+        self.warps, self.unroll = warps or self.WARPS, unroll or self.UNROLL
+        self.sms = sm_count(device)
+        self._kernels: dict[tuple[int, bool, bool, bool], object] = {}
+        self._pdl = None  # (libcuda, the launch attribute) where launches are programmatic
+        if self.PDL and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+            attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+            attr.value[0] = 1  # programmaticStreamSerializationAllowed
+            self._pdl = (torch.cuda._utils._get_gpu_runtime_library(), attr)
+
+    @staticmethod
+    def unsupported(device: torch.device) -> str | None:
+        """Why one-row projections stay on cuBLAS on this device (None: the GEMV can take them)."""
+        if device.type != "cuda":
+            return "not a CUDA device"
+        if not CudaGemv.ENABLED:
+            return "switched off (CudaGemv.ENABLED)"
+        if not hasattr(torch.cuda, "_compile_kernel"):
+            return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+        return None
+
+    @classmethod
+    def build(cls, device: torch.device) -> CudaGemv | None:
+        reason = cls.unsupported(device)
+        if reason is None:
+            gemv = cls(device)
+            try:
+                gemv._kernel(4096, False)  # compiles once here, so a failing NVRTC shows at start-up
+                logger.info("one-row projections: CUDA GEMV, %d warps a multiprocessor%s", gemv.warps,
+                            ", programmatic dependent launch" if gemv._pdl else "")
+                return gemv
+            except Exception as e:  # NVRTC missing or refusing: cuBLAS serves every projection
+                reason = f"NVRTC failed: {e}"
+        logger.info("one-row projections: cuBLAS (CUDA GEMV unused: %s)", reason)
+        return None
+
+    def unroll_for(self, k: int) -> int:
+        """Loads in flight a lane: ``unroll``, halved until a row splits into whole steps of 32 lanes."""
+        u = self.unroll
+        while u > 1 and (k // 8) % (32 * u):
+            u //= 2
+        return u
+
+    def _kernel(self, k: int, silu_mul: bool = False, norm: bool = False, residual: bool = False):
+        key = (k, silu_mul, norm, residual)
+        if key not in self._kernels:
+            with torch.cuda.device(self.device):
+                self._kernels[key] = torch.cuda._compile_kernel(
+                    _SOURCE.read_text(), "gemv_bf16",
+                    nvcc_options=["-std=c++17", f"-DK={k}", f"-DWARPS={self.warps}", f"-DUNROLL={self.unroll_for(k)}",
+                                  f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}", f"-DHAS_RESIDUAL={int(residual)}"])
+        return self._kernels[key]
+
+    def takes(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
+        """One contiguous bf16 row against a contiguous bf16 weight of rows a multiple of 256 values that fit
+        the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's columns)."""
+        k = weight.shape[1]
+        return (x.dim() == 2 and x.shape == (1, k * (2 if silu_mul else 1)) and x.dtype == weight.dtype == torch.bfloat16
+                and x.is_contiguous()
+                and weight.is_contiguous() and k % 256 == 0 and k * 2 <= 48 * 1024
+                and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """x @ weight.T for one row x (with ``silu_mul``: silu(gate) * up of x = [gate | up], then the product)."""
+        out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+        self._launch(self._kernel(weight.shape[1], silu_mul), weight, x, out, x, x, x, 0.0)
+        return out
+
+    def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                   weight: torch.Tensor) -> bool:
+        """``takes`` for ``norm_project``: the residual and the norm's weight must be laid out as x is."""
+        return (self.FUSE_NORM and self.takes(x, weight) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+                and norm_weight.data_ptr() % 16 == 0 and (residual is None or (
+                    residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+                    and residual.data_ptr() % 16 == 0)))
+
+    def norm_project(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x + residual) * norm_weight, then @ weight.T, in one kernel: (the product, the new residual)."""
+        out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+        new_residual = torch.empty_like(x) if residual is not None else x
+        kernel = self._kernel(weight.shape[1], norm=True, residual=residual is not None)
+        self._launch(kernel, weight, x, out, residual if residual is not None else x, norm_weight, new_residual, eps)
+        return out, new_residual
+
+    def _launch(self, kernel, weight, x, out, residual, norm_weight, new_residual, eps: float) -> None:
+        n = weight.shape[0]
+        grid, block = min(self.sms, -(-n // self.warps)), 32 * self.warps
+        args = [weight, x, out, n, residual, norm_weight, new_residual, float(eps)]
+        if self._pdl is None:
+            kernel(grid=(grid, 1, 1), block=(block, 1, 1), args=args)
+            return
+        # torch's launcher takes no launch attributes: the same parameters through cuLaunchKernelEx
+        values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
+                  ctypes.c_int(a) if isinstance(a, int) else ctypes.c_double(a) for a in args]
+        params = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
+        libcuda, attr = self._pdl
+        config = _LaunchConfig((grid, 1, 1), (block, 1, 1), 0, torch.cuda.current_stream().cuda_stream,
+                               ctypes.pointer(attr), 1)
+        rc = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernelEx of the GEMV failed with CUDA error {rc}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: CudaGemv | None) -> torch.Tensor:
+    """The projection: the CUDA GEMV where it takes the operands, else cuBLAS."""
+    if gemv is not None and bias is None and gemv.takes(x, weight):
+        return gemv(x, weight)
+    return F.linear(x, weight, bias)

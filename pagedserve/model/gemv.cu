@@ -1,0 +1,170 @@
+// bf16 GEMV for decode steps of one sequence: y[n] = sum_k W[n, k] * x[k], fp32 accumulation.
+//
+// Why not cuBLAS: at one row cuBLAS picks tiles that leave SMs idle or need a second kernel (qkv of
+// Qwen3-8B: 96 CTAs on 132 SMs, 3.1 TB/s; o_proj and down_proj: split-K plus a reduce kernel, 3.1 and
+// 3.6 TB/s, in a graph replay on the H200; docs/benchmarks.md). Here one CTA of WARPS warps sits on each
+// SM, every warp owns whole rows (rows r, r + all warps, ...), and each lane streams its 16-byte pieces
+// of a row one step of UNROLL loads ahead, across row boundaries, so the loads never drain until the
+// warp's last row. x is staged once per CTA in shared memory while the first W loads are in flight.
+// SILU_MUL: x is [gate | up] (2K values) and the kernel multiplies silu(gate) by up as it stages it,
+// rounding as the separate silu-mul kernel does, so down_proj needs no kernel before it.
+// NORM: x is the un-normalised hidden state; each CTA stages RMSNorm(x + residual) * norm weight (rounding
+// as fused.rms_norm does) and CTA 0 writes x + residual out as the next residual, so the norm before q/k/v
+// and before gate/up needs no kernel either (HAS_RESIDUAL 0: the first layer's norm, of x alone).
+// Launched with programmatic dependent launch (sm_90+), a GEMV's CTAs start while the kernel before is
+// still running: they put their first W loads in flight, then wait (griddepcontrol.wait) for that kernel's
+// output before staging x, and let the next GEMV start as soon as x is staged. The weight stream of one
+// projection thus overlaps the tail of the previous one instead of starting after it.
+// No headers: bf16 travels as its bits, so NVRTC needs no CUDA include directory.
+typedef unsigned short bf16_t;
+typedef unsigned int uint32_t;
+
+#ifndef K
+#define K 4096  // the reduction length: K / 8 a multiple of 32 * UNROLL
+#endif
+#ifndef WARPS
+#define WARPS 16
+#endif
+#ifndef UNROLL
+#define UNROLL 8
+#endif
+#ifndef SILU_MUL
+#define SILU_MUL 0
+#endif
+#ifndef NORM
+#define NORM 0
+#endif
+#ifndef HAS_RESIDUAL
+#define HAS_RESIDUAL 0
+#endif
+#define PIECES (K / 8)            // 16-byte pieces of a row
+#define STEPS (PIECES / (32 * UNROLL))  // a warp's steps along one row
+
+__device__ __forceinline__ float lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ bf16_t to_bf16(float x) {
+    bf16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ uint32_t pack(float a, float b) {  // a in the low half
+    return (uint32_t)to_bf16(a) | ((uint32_t)to_bf16(b) << 16);
+}
+__device__ __forceinline__ uint4 stream_load(const uint4* p) {  // read once: keep it out of L1
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
+    acc = fmaf(lo(w.x), lo(x.x), acc); acc = fmaf(hi(w.x), hi(x.x), acc);
+    acc = fmaf(lo(w.y), lo(x.y), acc); acc = fmaf(hi(w.y), hi(x.y), acc);
+    acc = fmaf(lo(w.z), lo(x.z), acc); acc = fmaf(hi(w.z), hi(x.z), acc);
+    acc = fmaf(lo(w.w), lo(x.w), acc); acc = fmaf(hi(w.w), hi(x.w), acc);
+    return acc;
+}
+#if SILU_MUL
+__device__ __forceinline__ float silu_times(float g, float u) {  // bf16(bf16(silu(g)) * u), as fused.silu_mul
+    const float s = lo(to_bf16(g / (1.f + __expf(-g))));
+    return s * u;
+}
+__device__ __forceinline__ uint32_t silu_mul2(uint32_t g, uint32_t u) {
+    return pack(silu_times(lo(g), lo(u)), silu_times(hi(g), hi(u)));
+}
+#endif
+
+__device__ __forceinline__ uint32_t add2(uint32_t a, uint32_t b) { return pack(lo(a) + lo(b), hi(a) + hi(b)); }
+__device__ __forceinline__ float sq2(uint32_t a) { return lo(a) * lo(a) + hi(a) * hi(a); }
+__device__ __forceinline__ uint32_t scale2(uint32_t h, float inv, uint32_t w) {  // bf16(bf16(h * inv) * w)
+    return pack(lo(to_bf16(lo(h) * inv)) * lo(w), lo(to_bf16(hi(h) * inv)) * hi(w));
+}
+
+// Stages x into shared memory (every variant), after the caller has put its first W loads in flight.
+__device__ __forceinline__ void stage_x(uint4* xs, const uint4* X, const uint4* R, const uint4* NW, uint4* ROut,
+                                        double eps) {
+#if NORM
+    __shared__ float part[WARPS];
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {
+        uint4 h = X[i];
+#if HAS_RESIDUAL
+        const uint4 r = R[i];
+        h = make_uint4(add2(h.x, r.x), add2(h.y, r.y), add2(h.z, r.z), add2(h.w, r.w));
+        if (blockIdx.x == 0) ROut[i] = h;
+#endif
+        xs[i] = h;
+        ss += sq2(h.x) + sq2(h.y) + sq2(h.z) + sq2(h.w);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) ss += part[w];
+    const float inv = 1.f / sqrtf(ss / K + (float)eps);
+    for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {  // each thread rescales the pieces it staged
+        const uint4 h = xs[i], w = NW[i];
+        xs[i] = make_uint4(scale2(h.x, inv, w.x), scale2(h.y, inv, w.y), scale2(h.z, inv, w.z), scale2(h.w, inv, w.w));
+    }
+#else
+    for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {
+#if SILU_MUL
+        const uint4 g = X[i], u = X[PIECES + i];
+        xs[i] = make_uint4(silu_mul2(g.x, u.x), silu_mul2(g.y, u.y), silu_mul2(g.z, u.z), silu_mul2(g.w, u.w));
+#else
+        xs[i] = X[i];
+#endif
+    }
+#endif
+}
+
+// R, NW, ROut, eps: the residual, norm weight, residual out and epsilon of NORM (unused otherwise).
+extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv_bf16(const uint4* __restrict__ W,
+                                                                  const uint4* __restrict__ X,
+                                                                  bf16_t* __restrict__ Y, int N,
+                                                                  const uint4* __restrict__ R,
+                                                                  const uint4* __restrict__ NW,
+                                                                  uint4* __restrict__ ROut, double eps) {
+    __shared__ uint4 xs[PIECES];
+    const int lane = threadIdx.x & 31;
+    const int stride = gridDim.x * WARPS;
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5), step = 0;
+    uint4 next[UNROLL];
+    if (row < N) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) next[u] = stream_load(W + (long)row * PIECES + u * 32 + lane);
+    }
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's output (x) is complete
+#endif
+    stage_x(xs, X, R, NW, ROut, eps);
+    __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+    float acc = 0.f;
+    while (row < N) {
+        uint4 cur[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) cur[u] = next[u];
+        const int piece0 = step * 32 * UNROLL + lane;
+        int nrow = row, nstep = step + 1;
+        if (nstep == STEPS) { nstep = 0; nrow += stride; }
+        if (nrow < N) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                next[u] = stream_load(W + (long)nrow * PIECES + nstep * 32 * UNROLL + u * 32 + lane);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) acc = dot8(cur[u], xs[piece0 + u * 32], acc);
+        if (step == STEPS - 1) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+            if (lane == 0) Y[row] = to_bf16(acc);
+            acc = 0.f;
+        }
+        row = nrow;
+        step = nstep;
+    }
+}

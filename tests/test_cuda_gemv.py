@@ -1,0 +1,71 @@
+"""Which projections the CUDA GEMV (model/gemv.cu) takes; its numbers are checked against F.linear on the
+GPU by benchmarks/gpu_check.py, and every projection here on the CPU stays on F.linear."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve import LLM
+from pagedserve.model.cuda_gemv import CudaGemv, _LaunchAttribute, _LaunchConfig, linear
+from pagedserve.model.layers import Linear, use_gemv
+
+CPU = torch.device("cpu")
+
+
+def test_takes_one_bf16_row_of_a_length_the_kernel_covers():
+    g = CudaGemv(CPU)
+    w = torch.zeros((6144, 4096), dtype=torch.bfloat16)
+    x = torch.zeros((1, 4096), dtype=torch.bfloat16)
+    assert g.takes(x, w)
+    assert not g.takes(torch.zeros((2, 4096), dtype=torch.bfloat16), w)  # two rows: cuBLAS
+    assert not g.takes(x.float(), w.float())
+    assert not g.takes(torch.zeros((1, 4000), dtype=torch.bfloat16), torch.zeros((8, 4000), dtype=torch.bfloat16))
+    assert not g.takes(torch.zeros((1, 8192), dtype=torch.bfloat16)[:, ::2], w)  # strided row
+    assert not g.takes(torch.zeros((1, 32768), dtype=torch.bfloat16), torch.zeros((8, 32768), dtype=torch.bfloat16))
+    down = torch.zeros((4096, 12288), dtype=torch.bfloat16)
+    gate_up = torch.zeros((1, 2 * 12288), dtype=torch.bfloat16)
+    assert g.takes(gate_up, down, silu_mul=True) and not g.takes(gate_up, down)
+
+
+def test_unroll_halves_until_a_row_is_whole_steps():
+    g = CudaGemv(CPU, unroll=8)  # 8 loads a lane: a step of 32 lanes is 256 * 8 values
+    assert [g.unroll_for(k) for k in (4096, 12288, 14336, 1024, 3072, 768, 256)] == [8, 8, 8, 4, 4, 1, 1]
+
+
+def test_projections_fall_back_to_f_linear():
+    x, w, b = torch.randn(1, 512), torch.randn(64, 512), torch.randn(64)
+    assert torch.equal(linear(x, w, b, None), F.linear(x, w, b))
+    assert torch.equal(linear(x, w, None, CudaGemv(CPU)), F.linear(x, w))  # fp32: not the GEMV's
+    assert CudaGemv.unsupported(CPU) == "not a CUDA device" and CudaGemv.build(CPU) is None
+
+
+def test_use_gemv_reaches_every_projection():
+    model = LLM("tiny", max_model_len=64, max_num_seqs=2).engine.core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * model.config.num_layers + 1 and all(m.gemv is None for m in linears)
+    g = CudaGemv(CPU)
+    use_gemv(model, g)
+    assert all(m.gemv is g for m in linears)
+    use_gemv(model, None)
+    assert all(m.gemv is None for m in linears)
+
+
+def test_the_norm_folds_into_a_projection_only_where_laid_out_as_x(monkeypatch):
+    g = CudaGemv(CPU)
+    w = torch.zeros((6144, 4096), dtype=torch.bfloat16)
+    x, nw = torch.zeros((1, 4096), dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16)
+    assert g.takes_norm(x, None, nw, w) and g.takes_norm(x, x.clone(), nw, w)
+    assert not g.takes_norm(x, x.float(), nw, w) and not g.takes_norm(x, None, nw.float(), w)
+    assert not g.takes_norm(x, torch.zeros((1, 8192), dtype=torch.bfloat16)[:, ::2], nw, w)
+    monkeypatch.setattr(CudaGemv, "FUSE_NORM", False)
+    assert not g.takes_norm(x, None, nw, w) and g.takes(x, w)
+
+
+def test_launch_structs_match_the_driver_layout():
+    """cuLaunchKernelEx reads CUlaunchConfig / CUlaunchAttribute as cuda.h lays them out (64-bit)."""
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert (_LaunchConfig.shared_mem.offset, _LaunchConfig.stream.offset, _LaunchConfig.attrs.offset,
+            _LaunchConfig.num_attrs.offset, ctypes.sizeof(_LaunchConfig)) == (24, 32, 40, 48, 56)
