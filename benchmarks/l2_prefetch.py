@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.latency import graph_ms  # noqa: E402
 from pagedserve.model.fused import sm_count  # noqa: E402
 
 LAYERS = 36
@@ -65,14 +66,7 @@ def graph_us(fn, reps: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(side)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1000
+    return graph_ms(graph, reps) * 1000
 
 
 def main() -> None:
