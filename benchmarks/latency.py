@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gemv", default="", help="comma-separated kernels for one-row projections: cublas, or cuda with "
-                    "-unfused (norms as kernels of their own) and/or -nopdl (plain launches) and :WARPSxUNROLL "
+                    "-unfused (norms as kernels of their own) and/or -nopdl (plain launches), -fixed (WARPS for every shape) and :WARPSxUNROLL "
                     "to measure one after another, decode graphs captured again for each")
     ap.add_argument("--decode-segments", default="",
                     help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")
@@ -78,6 +78,7 @@ def recapture(runner, gemv: str | None, segs: int | None) -> None:
         sys.exit("--gemv / --decode-segments: the runner has no decode graphs to capture again")
     if gemv is not None:
         CudaGemv.FUSE_NORM, CudaGemv.PDL = "unfused" not in gemv, "nopdl" not in gemv
+        CudaGemv.WARP_CHOICES = () if "fixed" in gemv else (32, 28, 24, 20, 16)
         if ":" in gemv:  # cuda:WARPSxUNROLL
             CudaGemv.WARPS, CudaGemv.UNROLL = map(int, gemv.split(":")[1].split("x"))
         use_gemv(runner.model, CudaGemv.build(runner.device) if gemv.startswith("cuda") else None)

@@ -69,3 +69,11 @@ def test_launch_structs_match_the_driver_layout():
     assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
     assert (_LaunchConfig.shared_mem.offset, _LaunchConfig.stream.offset, _LaunchConfig.attrs.offset,
             _LaunchConfig.num_attrs.offset, ctypes.sizeof(_LaunchConfig)) == (24, 32, 40, 48, 56)
+
+
+def test_warps_a_cta_spread_rows_evenly():
+    g = CudaGemv(CPU)  # 132 SMs off the GPU
+    assert g.warps_for(6144) == 24  # 2 full rounds of 3,168 warps, where 4,224 warps leave one 45 % full
+    assert g.warps_for(4096) == 32 and g.warps_for(12288) == 32 and g.warps_for(24576) == 32
+    assert g.warps_for(151936) == 32
+    assert CudaGemv(CPU, warps=16).warps_for(6144) == 16

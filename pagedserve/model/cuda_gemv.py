@@ -34,10 +34,11 @@ class CudaGemv:
     ENABLED = True  # False: cuBLAS for every projection (the engine's A/B switch)
     PDL = True  # programmatic dependent launch on sm_90+ (False: plain launches)
     FUSE_NORM = True  # RMSNorm (+ residual) staged by the projection after it (False: the norm kernel runs)
-    # one CTA of 32 warps a multiprocessor, 4 16-byte loads a lane in flight (8 across a step boundary):
+    # one CTA of up to 32 warps a multiprocessor, 4 16-byte loads a lane in flight (8 across a step boundary):
     # a Qwen3-8B step's projections took 3.716 ms in a graph against 3.846 at 16 warps x 8 loads and
     # 4.172 on cuBLAS (benchmarks/gemv.py --cuda, H200)
     WARPS = 32
+    WARP_CHOICES = (32, 28, 24, 20, 16)  # warps a CTA ``warps_for`` picks from (up to ``warps``)
     UNROLL = 4
 
     def __init__(self, device: torch.device, warps: int | None = None, unroll: int | None = None):
@@ -68,8 +69,8 @@ class CudaGemv:
         if reason is None:
             gemv = cls(device)
             try:
-                gemv._kernel(4096, False)  # compiles once here, so a failing NVRTC shows at start-up
-                logger.info("one-row projections: CUDA GEMV, %d warps a multiprocessor%s", gemv.warps,
+                gemv._kernel(4096, 4096)  # compiles once here, so a failing NVRTC shows at start-up
+                logger.info("one-row projections: CUDA GEMV, up to %d warps a multiprocessor%s", gemv.warps,
                             ", programmatic dependent launch" if gemv._pdl else "")
                 return gemv
             except Exception as e:  # NVRTC missing or refusing: cuBLAS serves every projection
@@ -84,15 +85,29 @@ class CudaGemv:
             u //= 2
         return u
 
-    def _kernel(self, k: int, silu_mul: bool = False, norm: bool = False, residual: bool = False):
-        key = (k, silu_mul, norm, residual)
+    def warps_for(self, n: int) -> int:
+        """Warps a CTA for n rows: of 32, 28, ... 16 (up to ``warps``), the count whose rows fall most evenly
+        over all warps (a warp takes whole rows), the larger on a tie. qkv's 6144 rows over 132 x 32 warps
+        leave the last round of rows a quarter full; at 24 warps both rounds are full (13.70 vs 14.37 us)."""
+        best, best_balance = self.warps, 0.0
+        for w in [w for w in self.WARP_CHOICES if w <= self.warps] or [self.warps]:
+            total = min(self.sms, -(-n // w)) * w
+            balance = n / (-(-n // total) * total)
+            if balance > best_balance:
+                best, best_balance = w, balance
+        return best
+
+    def _kernel(self, n: int, k: int, silu_mul: bool = False, norm: bool = False, residual: bool = False):
+        """(the compiled variant for an n x k weight, its warps a CTA)."""
+        warps = self.warps_for(n)
+        key = (warps, k, silu_mul, norm, residual)
         if key not in self._kernels:
             with torch.cuda.device(self.device):
                 self._kernels[key] = torch.cuda._compile_kernel(
                     _SOURCE.read_text(), "gemv_bf16",
-                    nvcc_options=["-std=c++17", f"-DK={k}", f"-DWARPS={self.warps}", f"-DUNROLL={self.unroll_for(k)}",
+                    nvcc_options=["-std=c++17", f"-DK={k}", f"-DWARPS={warps}", f"-DUNROLL={self.unroll_for(k)}",
                                   f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}", f"-DHAS_RESIDUAL={int(residual)}"])
-        return self._kernels[key]
+        return self._kernels[key], warps
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
         """One contiguous bf16 row against a contiguous bf16 weight of rows a multiple of 256 values that fit
@@ -106,7 +121,7 @@ class CudaGemv:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """x @ weight.T for one row x (with ``silu_mul``: silu(gate) * up of x = [gate | up], then the product)."""
         out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-        self._launch(self._kernel(weight.shape[1], silu_mul), weight, x, out, x, x, x, 0.0)
+        self._launch(self._kernel(*weight.shape, silu_mul), weight, x, out, x, x, x, 0.0)
         return out
 
     def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -122,13 +137,14 @@ class CudaGemv:
         """RMSNorm(x + residual) * norm_weight, then @ weight.T, in one kernel: (the product, the new residual)."""
         out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
         new_residual = torch.empty_like(x) if residual is not None else x
-        kernel = self._kernel(weight.shape[1], norm=True, residual=residual is not None)
+        kernel = self._kernel(*weight.shape, norm=True, residual=residual is not None)
         self._launch(kernel, weight, x, out, residual if residual is not None else x, norm_weight, new_residual, eps)
         return out, new_residual
 
-    def _launch(self, kernel, weight, x, out, residual, norm_weight, new_residual, eps: float) -> None:
+    def _launch(self, variant, weight, x, out, residual, norm_weight, new_residual, eps: float) -> None:
+        kernel, warps = variant
         n = weight.shape[0]
-        grid, block = min(self.sms, -(-n // self.warps)), 32 * self.warps
+        grid, block = min(self.sms, -(-n // warps)), 32 * warps
         args = [weight, x, out, n, residual, norm_weight, new_residual, float(eps)]
         if self._pdl is None:
             kernel(grid=(grid, 1, 1), block=(block, 1, 1), args=args)
