@@ -223,7 +223,7 @@ def graph_us(fn, count: int) -> float:
 
 
 def label(g) -> str:
-    return f"{g.warps}w/u{g.unroll}{'' if g._pdl else ' no PDL'}"
+    return f"{g.warps}w/u{g.unroll}{'' if g.pdl else ' no PDL'}"
 
 
 def cuda_report() -> None:
@@ -234,7 +234,7 @@ def cuda_report() -> None:
 
     dev = torch.device("cuda")
     variants = [CudaGemv(dev, warps, unroll) for warps, unroll in ((32, 4), (32, 4), (16, 8), (32, 2), (24, 4))]
-    variants[1]._pdl = None  # the same kernel with plain launches
+    variants[1].pdl = False  # the same kernel with plain launches
     for name, (n, k) in SHAPES.items():
         count = 4 if name == "lm_head" else LAYERS
         ws = [torch.empty((n, k), device=dev, dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(count)]

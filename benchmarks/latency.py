@@ -27,6 +27,8 @@ from pagedserve.memory import GiB, weight_bytes  # noqa: E402
 from pagedserve.model.cuda_gemv import CudaGemv  # noqa: E402
 from pagedserve.model.layers import use_gemv  # noqa: E402
 
+WARP_CHOICES = CudaGemv.WARP_CHOICES  # the engine's, restored by settings without -fixed
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -72,13 +74,13 @@ def main() -> None:
 
 
 def recapture(runner, gemv: str | None, segs: int | None) -> None:
-    """Decode graphs captured again with one-row projections on ``gemv`` ("cuda" or "cublas") and decodes
+    """Decode graphs captured again with one-row projections on ``gemv`` (a --gemv setting) and decodes
     split over ``segs`` segments (None: as configured)."""
     if not runner._graphs:
         sys.exit("--gemv / --decode-segments: the runner has no decode graphs to capture again")
     if gemv is not None:
         CudaGemv.FUSE_NORM, CudaGemv.PDL = "unfused" not in gemv, "nopdl" not in gemv
-        CudaGemv.WARP_CHOICES = () if "fixed" in gemv else (32, 28, 24, 20, 16)
+        CudaGemv.WARP_CHOICES = () if "fixed" in gemv else WARP_CHOICES
         if ":" in gemv:  # cuda:WARPSxUNROLL
             CudaGemv.WARPS, CudaGemv.UNROLL = map(int, gemv.split(":")[1].split("x"))
         use_gemv(runner.model, CudaGemv.build(runner.device) if gemv.startswith("cuda") else None)

@@ -29,7 +29,8 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 class CudaGemv:
-    """The compiled variants (by reduction length, and whether silu(gate) * up is formed from x)."""
+    """The compiled variants (by warps a CTA, reduction length, and what x is staged as: silu(gate) * up,
+    or RMSNorm with or without a residual) and their launcher."""
 
     ENABLED = True  # False: cuBLAS for every projection (the engine's A/B switch)
     PDL = True  # programmatic dependent launch on sm_90+ (False: plain launches)
@@ -45,12 +46,12 @@ class CudaGemv:
         self.device = device
         self.warps, self.unroll = warps or self.WARPS, unroll or self.UNROLL
         self.sms = sm_count(device)
-        self._kernels: dict[tuple[int, bool, bool, bool], object] = {}
-        self._pdl = None  # (libcuda, the launch attribute) where launches are programmatic
-        if self.PDL and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
-            attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-            attr.value[0] = 1  # programmaticStreamSerializationAllowed
-            self._pdl = (torch.cuda._utils._get_gpu_runtime_library(), attr)
+        self._kernels: dict[tuple[int, int, bool, bool, bool], object] = {}
+        # programmatic dependent launch where the device has it (griddepcontrol: sm_90+)
+        self.pdl = self.PDL and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+        self._libcuda = torch.cuda._utils._get_gpu_runtime_library() if device.type == "cuda" else None
+        self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attr.value[0] = 1  # programmaticStreamSerializationAllowed
 
     @staticmethod
     def unsupported(device: torch.device) -> str | None:
@@ -71,7 +72,7 @@ class CudaGemv:
             try:
                 gemv._kernel(4096, 4096)  # compiles once here, so a failing NVRTC shows at start-up
                 logger.info("one-row projections: CUDA GEMV, up to %d warps a multiprocessor%s", gemv.warps,
-                            ", programmatic dependent launch" if gemv._pdl else "")
+                            ", programmatic dependent launch" if gemv.pdl else "")
                 return gemv
             except Exception as e:  # NVRTC missing or refusing: cuBLAS serves every projection
                 reason = f"NVRTC failed: {e}"
@@ -145,20 +146,14 @@ class CudaGemv:
         kernel, warps = variant
         n = weight.shape[0]
         grid, block = min(self.sms, -(-n // warps)), 32 * warps
-        args = [weight, x, out, n, residual, norm_weight, new_residual, float(eps)]
-        if self._pdl is None:
-            kernel(grid=(grid, 1, 1), block=(block, 1, 1), args=args)
-            return
-        # torch's launcher takes no launch attributes: the same parameters through cuLaunchKernelEx
-        values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
-                  ctypes.c_int(a) if isinstance(a, int) else ctypes.c_double(a) for a in args]
+        # torch's launcher takes no launch attributes: the kernel's parameters go through cuLaunchKernelEx
+        values = [ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                  ctypes.c_int(n), ctypes.c_void_p(residual.data_ptr()), ctypes.c_void_p(norm_weight.data_ptr()),
+                  ctypes.c_void_p(new_residual.data_ptr()), ctypes.c_double(eps)]
         params = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
-        libcuda, attr = self._pdl
         config = _LaunchConfig((grid, 1, 1), (block, 1, 1), 0, torch.cuda.current_stream().cuda_stream,
-                               ctypes.pointer(attr), 1)
-        rc = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
-        if rc:
-            raise RuntimeError(f"cuLaunchKernelEx of the GEMV failed with CUDA error {rc}")
+                               ctypes.pointer(self._attr), int(self.pdl))
+        torch.cuda._utils._check_cuda(self._libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: CudaGemv | None) -> torch.Tensor:
