@@ -25,6 +25,7 @@ def main() -> None:
     cases = [
         ("Qwen3-8B decode x64, ctx 1-4k", 32, 8, 128, 16, [1] * 64, list(np.random.default_rng(1).integers(1, 4096, 64))),
         ("Qwen3-8B decode x1, ctx 1280 (split-KV)", 32, 8, 128, 16, [1], [1279]),
+        ("Qwen3-8B decode x4, ctx 1-2k (split-KV), and a 1-token prompt", 32, 8, 128, 16, [1] * 5, [1900, 700, 64, 1, 0]),
         ("Qwen3-8B prefill 1024", 32, 8, 128, 16, [1024], [0]),
         ("Qwen3-8B mixed: 2k chunk after 3k ctx + 31 decodes", 32, 8, 128, 16, [2048] + [1] * 31, [3000] + [500] * 31),
         ("Qwen3-0.6B mixed, block 32", 16, 8, 128, 32, [300, 1, 1, 77], [0, 900, 15, 40]),

@@ -43,6 +43,8 @@ def main() -> None:
                     "to measure one after another, decode graphs captured again for each")
     ap.add_argument("--decode-segments", default="",
                     help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")
+    ap.add_argument("--fused-decode", default="", help="comma-separated on/off: decode-only steps' attention in one "
+                    "kernel (on, the default) or as norm/rotary/store + attention + merge (off), crossed with the rest")
     ap.add_argument("--profile", action="store_true", help="also print a kernel profile of bs=1 graph replays")
     ns = ap.parse_args()
     llm = LLM(ns.model, load_format="dummy", dtype=ns.dtype, max_model_len=ns.input_len + ns.output_len + 16,
@@ -60,10 +62,11 @@ def main() -> None:
     first = None
     check = SamplingParams(temperature=0, max_tokens=min(64, ns.output_len), ignore_eos=True)
     segments = [int(n) for n in ns.decode_segments.split(",")] if ns.decode_segments else [None]
-    settings = list(itertools.product(gemvs, segments))
-    for gemv, segs in settings:
-        if gemv is not None or segs is not None:
-            recapture(core.runner, gemv, segs)
+    fused = [f == "on" for f in ns.fused_decode.split(",")] if ns.fused_decode else [None]
+    settings = list(itertools.product(gemvs, segments, fused))
+    for gemv, segs, fuse in settings:
+        if gemv is not None or segs is not None or fuse is not None:
+            recapture(core.runner, gemv, segs, fuse)
         measure(engine, prompt, params, ns.repeats)
         if ns.profile:
             profile_replays(core.runner)
@@ -73,11 +76,13 @@ def main() -> None:
             print(f"{check.max_tokens} greedy tokens {'identical to' if tokens == first else 'DIFFER from'} the first setting's")
 
 
-def recapture(runner, gemv: str | None, segs: int | None) -> None:
-    """Decode graphs captured again with one-row projections on ``gemv`` (a --gemv setting) and decodes
-    split over ``segs`` segments (None: as configured)."""
+def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None) -> None:
+    """Decode graphs captured again with one-row projections on ``gemv`` (a --gemv setting), decodes
+    split over ``segs`` segments and the fused decode on or off (None: as configured)."""
     if not runner._graphs:
-        sys.exit("--gemv / --decode-segments: the runner has no decode graphs to capture again")
+        sys.exit("--gemv / --decode-segments / --fused-decode: the runner has no decode graphs to capture again")
+    if fuse is not None:
+        runner.backend.FUSED_DECODE = fuse
     if gemv is not None:
         CudaGemv.FUSE_NORM, CudaGemv.PDL = "unfused" not in gemv, "nopdl" not in gemv
         CudaGemv.WARP_CHOICES = () if "fixed" in gemv else WARP_CHOICES
@@ -91,7 +96,7 @@ def recapture(runner, gemv: str | None, segs: int | None) -> None:
     torch.cuda.empty_cache()
     runner._capture_decode_graphs()
     print(f"\n-- one-row projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
-          "segments")
+          f"segments, fused decode {'as configured' if fuse is None else 'on' if fuse else 'off'}")
 
 
 def graph_ms(graph, reps: int = 50) -> float:

@@ -94,6 +94,52 @@ def test_triton_matches_reference_on_mixed_batches(model_type, block_size, heads
     assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
 
 
+class _Refused:
+    def __getitem__(self, grid):
+        raise AssertionError("a decode-only step launched a kernel the fused decode replaces")
+
+    def __call__(self, *args, **kwargs):
+        self[None]
+
+
+@pytest.mark.parametrize("model_type, heads, kv_heads, sms", [
+    ("qwen3", 8, 2, 100000), ("llama", 4, 2, 100000), ("qwen3", 4, 4, 1)])
+def test_decode_only_steps_run_one_fused_kernel_that_matches_the_reference(monkeypatch, model_type, heads, kv_heads,
+                                                                           sms):
+    """q/k norm + rotary, the K/V store, attention and (split over segments) the merge in one kernel: no
+    qkv_rope_store, no merge kernel; a one-token prompt (nothing cached yet) among long decodes."""
+    import pagedserve.model.triton_attention as ta
+
+    monkeypatch.setattr(ta, "qkv_rope_store", _Refused())
+    monkeypatch.setattr(ta, "_merge_segments", _Refused())
+    monkeypatch.setattr(ta, "_paged_attention", _Refused())
+    segmented = sms > 1000
+    err, cache_err = compare(model_type, heads, kv_heads, 16, 16, [1] * 5, [700, 0, 130, 1, 64], sms=sms,
+                             segmented=segmented)
+    assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
+
+
+def test_fused_decode_resets_its_counts_and_leaves_padding_rows_at_zero():
+    """A CUDA graph pads a batch with rows of sequence length 0: their output is 0 (no key, not NaN) and
+    they leave the real rows alone; every (request, KV head) count is back at 0 for the next layer."""
+    ref, tri = attention_pair("qwen3", 8, 2, 16, torch.float32, sms=100000)
+    meta, positions = make_batch(np.random.default_rng(0), [1, 1, 1], [300, 40, 0], 16, 40)
+    meta.seq_lens[2] = 0  # the padding row (its one token goes to a slot nobody reads)
+    tri.backend.prepare(meta, 16)
+    assert meta.backend_state.decode.num_segments > 1
+    cache = torch.randn((2, 40, 16, 2, 16), device=DEV)
+    x = torch.randn((3, 8 * 16), device=DEV)
+    with torch.no_grad():
+        out = tri.backend.forward(tri.qkv_proj(x), positions, tri, cache, meta)
+    assert torch.isfinite(out).all() and not out[2].any()
+    assert not meta.backend_state.counts.any()
+    with torch.no_grad():  # the first two rows as a batch of their own: the same output
+        meta2, _ = make_batch(np.random.default_rng(0), [1, 1], [300, 40], 16, 40)
+        tri.backend.prepare(meta2, 16)
+        again = tri.backend.forward(tri.qkv_proj(x[:2]), positions[:2], tri, cache.clone(), meta2)
+    torch.testing.assert_close(again, out[:2])
+
+
 def read_path_error(heads, kv_heads, head_dim, block_size, query_lens, context_lens, kv_dtype,
                     triton_backend=None) -> float:
     """Both backends attend over ONE shared cache: the read path alone, without the writes' rounding
@@ -128,24 +174,30 @@ def test_engine_with_triton_backend_matches_torch_backend():
 
 
 def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
-    """Decode graphs compile only their own batch sizes' variants; eager mixed steps choose split
-    factors by batch and length, so the runner's warm-up must launch each of them next to prefill tiles."""
+    """Decode graphs compile only their own batch sizes' variants; eager steps choose split factors by
+    batch and length, so the runner's warm-up must launch each of them next to prefill tiles, and in a
+    decode-only step (the fused kernel)."""
     from pagedserve import LLM
 
-    launched = []
-    real = TritonAttentionBackend._launch
+    launched, fused = [], []
+    real, real_fused = TritonAttentionBackend._launch, TritonAttentionBackend._fused_decode
 
     def spy(self, q, kv_cache, out, meta, st, launch, scale):
         launched.append((launch.block_q, launch.num_segments))
         return real(self, q, kv_cache, out, meta, st, launch, scale)
 
+    def spy_fused(self, qkv, positions, layer, kv_cache, meta, st):
+        fused.append(st.decode.num_segments)
+        return real_fused(self, qkv, positions, layer, kv_cache, meta, st)
+
     monkeypatch.setattr(TritonAttentionBackend, "_launch", spy)
+    monkeypatch.setattr(TritonAttentionBackend, "_fused_decode", spy_fused)
     llm = LLM("tiny", attention_backend="triton", kv_cache_memory="4MiB", max_model_len=2048)
     backend = llm.engine.core.runner.backend
     top = backend.decode_segments(1, 2048)
     assert top == 16  # 2 KV heads, 2048 keys: sixteen segments of one 128-key tile for one long decode
     decode_splits = {segs for block_q, segs in launched if block_q == 1}
-    assert decode_splits == {1, 2, 4, 8, 16}
+    assert decode_splits == {1, 2, 4, 8, 16} == set(fused)
     assert (backend.prefill_block_q, 1) in launched
 
 
@@ -168,6 +220,6 @@ def test_cuda_fp8_decode_serves_only_the_launches_it_covers():
     q = torch.zeros((2, 8, 128), dtype=torch.bfloat16, device=DEV)
     st = meta.backend_state
     if DEV.type == "cpu":
-        assert be._cuda_kernel(q, cache, st.decode, st) is None
-    assert be._cuda_kernel(q.float(), cache, st.decode, st) is None  # fp32 queries: Triton
-    assert be._cuda_kernel(q, cache.view(torch.float8_e5m2), st.decode, st) is None  # e5m2: Triton
+        assert be._cuda_kernel(q.dtype, cache, st.decode, st) is None
+    assert be._cuda_kernel(torch.float32, cache, st.decode, st) is None  # fp32 queries: Triton
+    assert be._cuda_kernel(q.dtype, cache.view(torch.float8_e5m2), st.decode, st) is None  # e5m2: Triton

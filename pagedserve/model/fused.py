@@ -74,7 +74,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+def norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
     """Rows of head halves [H, D/2]: optional RMSNorm over the head (rounded like the torch path), then
     neox rotary; returns the rotated halves in float32."""
     dtype = x1.dtype
@@ -110,12 +110,12 @@ def _qkv_rope_store(QKV, Pos, Cos, Sin, QW, KW, Slots, KV, QOut,
         qw2 = tl.load(QW + HALF + half).to(dtype)
         kw1 = tl.load(KW + half).to(dtype)
         kw2 = tl.load(KW + HALF + half).to(dtype)
-    else:  # unused by _norm_rope without the norm
+    else:  # unused by norm_rope without the norm
         qw1 = cos
         qw2 = cos
         kw1 = cos
         kw2 = cos
-    o1, o2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, HEAD_DIM, QK_NORM)
+    o1, o2 = norm_rope(q1, q2, qw1, qw2, cos, sin, eps, HEAD_DIM, QK_NORM)
     qbase = QOut + t * stride_qt + hq[:, None] * stride_qh
     tl.store(qbase + half[None, :], o1.to(dtype), mask=mq)
     tl.store(qbase + HALF + half[None, :], o2.to(dtype), mask=mq)
@@ -125,7 +125,7 @@ def _qkv_rope_store(QKV, Pos, Cos, Sin, QW, KW, Slots, KV, QOut,
     kcol = row + NUM_Q * HEAD_DIM + hk[:, None] * HEAD_DIM
     k1 = tl.load(kcol + half[None, :], mask=mk, other=0.0)
     k2 = tl.load(kcol + HALF + half[None, :], mask=mk, other=0.0)
-    o1, o2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, eps, HEAD_DIM, QK_NORM)
+    o1, o2 = norm_rope(k1, k2, kw1, kw2, cos, sin, eps, HEAD_DIM, QK_NORM)
     slot = tl.load(Slots + t).to(tl.int64)
     kbase = KV + slot * stride_slot + hk[:, None] * stride_kvh
     tl.store(kbase + half[None, :], o1.to(KV.dtype.element_ty), mask=mk)

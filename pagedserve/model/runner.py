@@ -235,21 +235,24 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Run every kernel variant a step may choose once, at start-up, so that none is compiled while
-        serving (a first Triton compile takes seconds): mixed prefill + decode steps at each attention
-        variant the backend can pick (decode graphs cover only their own batch sizes), and each sampler
-        path. Every new token goes to the trash slot; nothing in the pool is touched."""
+        serving (a first Triton compile takes seconds): decode-only and mixed prefill + decode steps at
+        each attention variant the backend can pick (decode graphs cover only their own batch sizes), and
+        each sampler path. Every new token goes to the trash slot; nothing in the pool is touched."""
         t0 = time.perf_counter()
         dev = self.device
-        # request 0 prefills two tokens, request 1 decodes one; both read block 0, which nobody owns yet
-        query_lens = np.array([2, 1])
-        slots = torch.full((3,), self.trash_slot, dtype=torch.long, device=dev)
-        meta = self._metadata(slots, query_lens, np.array([2, 2], dtype=np.int32), np.zeros((2, 1), dtype=np.int32))
-        ids = torch.zeros(3, dtype=torch.long, device=dev)
-        positions = torch.tensor([0, 1, 1], device=dev)
+        # a decode-only step (its attention is a kernel of its own), then a mixed one (request 0 prefills
+        # two tokens, request 1 decodes one); all read block 0, which nobody owns yet
         variants = 0
-        for _ in self.backend.variants(meta, self.config.max_model_len):
-            hidden = self.model(ids, positions, self.kv_caches, meta)
-            variants += 1
+        for query_lens in (np.array([1]), np.array([2, 1])):
+            n = int(query_lens.sum())
+            slots = torch.full((n,), self.trash_slot, dtype=torch.long, device=dev)
+            meta = self._metadata(slots, query_lens, np.full(len(query_lens), 2, dtype=np.int32),
+                                  np.zeros((len(query_lens), 1), dtype=np.int32))
+            ids = torch.zeros(n, dtype=torch.long, device=dev)
+            positions = torch.tensor(np.concatenate([np.arange(2 - q, 2) for q in query_lens]), device=dev)
+            for _ in self.backend.variants(meta, self.config.max_model_len):
+                hidden = self.model(ids, positions, self.kv_caches, meta)
+                variants += 1
         logits = self.model.compute_logits(hidden[1:])
         sample(logits, SamplingBatch.greedy_only())
         for filtered in (False, True):

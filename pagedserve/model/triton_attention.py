@@ -25,7 +25,7 @@ import triton.language as tl
 
 from pagedserve.model.attention import AttentionMetadata, to_device
 from pagedserve.model.cuda_decode import CudaFp8Decode
-from pagedserve.model.fused import qkv_rope_store
+from pagedserve.model.fused import norm_rope, qkv_rope_store
 
 
 @triton.jit
@@ -41,6 +41,46 @@ def _e4m3_to_f16(x):
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _attend_tiles(q, m, s_sum, acc, K, table, first, last, kv_end, qpos, qk_scale,
+                  stride_kvkv, stride_kvb, stride_kvs,
+                  BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr,
+                  FP16_DOTS: tl.constexpr, V_CVT_ASM: tl.constexpr):
+    """The online softmax (m, s_sum, acc) of q's rows carried over key tiles [first, last) of one
+    request's keys before ``kv_end``: ``K`` is the cache at this KV head, ``table`` the request's block
+    table; rows are causal up to ``qpos`` unless BLOCK_Q is 1 (a decode sees every key)."""
+    d = tl.arange(0, HEAD_DIM)
+    V = K + stride_kvkv
+    for j in range(first, last):
+        kpos = j * TILE + tl.arange(0, TILE)
+        kmask = kpos < kv_end
+        blk = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+        off = blk * stride_kvb + (kpos % PAGE) * stride_kvs
+        k = tl.load(K + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
+        # V is read here, not after the softmax that needs only K: both tiles are then in flight at
+        # once (fp8 decode 341 -> 276 us at 256 x 1536, benchmarks/profile_decode.py)
+        v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+        if V_CVT_ASM:
+            v = _e4m3_to_f16(v)
+        else:
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k))
+        if not FP16_DOTS:
+            s = s * qk_scale
+        if BLOCK_Q == 1:  # a decode: every key before the end is causal
+            s = tl.where(kmask[None, :], s, float("-inf"))
+        else:
+            s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        s_sum = s_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m = m_new
+    return m, s_sum, acc
 
 
 # the block-table stride is the widest table of the step: not specialized on (divisibility by 16, == 1),
@@ -90,70 +130,166 @@ def _paged_attention(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    K = KV
-    V = KV + stride_kvkv
-    for j in range(first, last):
-        kpos = j * TILE + tl.arange(0, TILE)
-        kmask = kpos < kv_end
-        blk = tl.load(block_tables + seq * stride_bt + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-        off = blk * stride_kvb + (kpos % PAGE) * stride_kvs + kvh * stride_kvh
-        k = tl.load(K + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
-        # V is read here, not after the softmax that needs only K: both tiles are then in flight at
-        # once (fp8 decode 341 -> 276 us at 256 x 1536, benchmarks/profile_decode.py)
-        v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        if V_CVT_ASM:
-            v = _e4m3_to_f16(v)
-        else:
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k))
-        if not FP16_DOTS:
-            s = s * qk_scale
-        if BLOCK_Q == 1:  # a decode: every key before the end is causal
-            s = tl.where(kmask[None, :], s, float("-inf"))
-        else:
-            s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        s_sum = s_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        m = m_new
+    m, s_sum, acc = _attend_tiles(q, m, s_sum, acc, KV + kvh * stride_kvh, block_tables + seq * stride_bt,
+                                  first, last, kv_end, qpos, qk_scale, stride_kvkv, stride_kvb, stride_kvs,
+                                  BLOCK_Q, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM)
 
-    out_row = q_start + tok
+    _finish(Out, PartAcc, PartML, m, s_sum, acc, q_start + tok, tile, head, seg, G * tl.num_programs(1), row_valid,
+            stride_ot, stride_oh, HEAD_DIM, NUM_SEGMENTS)
+
+
+@triton.jit
+def _finish(Out, PartAcc, PartML, m, s_sum, acc, out_row, tile, head, seg, num_q, row_valid, stride_ot, stride_oh,
+            HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    """The rows' output, or this segment's partial (acc, max, sum), indexed [decode tile, q head, segment]."""
+    d = tl.arange(0, HEAD_DIM)
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(s_sum == 0.0, 1.0, s_sum)[:, None]
         tl.store(Out + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_valid[:, None])
     else:
-        # partials indexed [decode tile, q head, segment, ...]; num q heads = G * num kv heads
-        hq = G * tl.num_programs(1)
-        base = (tile * hq + head) * NUM_SEGMENTS + seg
+        base = (tile * num_q + head) * NUM_SEGMENTS + seg
         tl.store(PartAcc + base[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
         tl.store(PartML + base * 2, m, mask=row_valid)
         tl.store(PartML + base * 2 + 1, s_sum, mask=row_valid)
 
 
 @triton.jit
-def _merge_segments(PartAcc, PartML, Out, tile_seq, query_start, stride_ot, stride_oh,
-                    HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
-    """out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, per (decode tile, head)."""
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    hq = tl.num_programs(1)
-    row = tl.load(query_start + tl.load(tile_seq + tile))
+def _merge_heads(PartAcc, PartML, Out, tile, out_row, kvh, num_q, stride_ot, stride_oh, G: tl.constexpr,
+                 G_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    """out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s for the G query heads of one KV head of one
+    decode tile. Partials are read past L1 (.cg): the fused decode merges what other programs just wrote."""
+    h = tl.arange(0, G_POW2)
+    real = h < G
+    head = kvh * G + h
     segs = tl.arange(0, NUM_SEGMENTS)
     d = tl.arange(0, HEAD_DIM)
-    base = (tile * hq + head) * NUM_SEGMENTS + segs
-    m = tl.load(PartML + base * 2)
-    ssum = tl.load(PartML + base * 2 + 1)
-    m_max = tl.max(m, 0)
+    base = (tile * num_q + head)[:, None] * NUM_SEGMENTS + segs[None, :]  # [heads, segments]
+    m = tl.load(PartML + base * 2, mask=real[:, None], other=float("-inf"), cache_modifier=".cg")
+    ssum = tl.load(PartML + base * 2 + 1, mask=real[:, None], other=0.0, cache_modifier=".cg")
+    acc = tl.load(PartAcc + base[:, :, None] * HEAD_DIM + d[None, None, :], mask=real[:, None, None], other=0.0,
+                  cache_modifier=".cg")
+    m_max = tl.max(m, 1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(ssum > 0.0, tl.exp2(m - m_max), 0.0)  # m in base 2, as the attention kernel keeps it
-    acc = tl.load(PartAcc + base[:, None] * HEAD_DIM + d[None, :])
-    total = tl.sum(w * ssum, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(Out + row * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty))
+    w = tl.where(ssum > 0.0, tl.exp2(m - m_max[:, None]), 0.0)  # m in base 2, as the attention kernels keep it
+    total = tl.sum(w * ssum, 1)
+    out = tl.sum(acc * w[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(Out + out_row * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=real[:, None])
+
+
+@triton.jit
+def _merge_segments(PartAcc, PartML, Out, tile_seq, query_start, stride_ot, stride_oh, G: tl.constexpr,
+                    G_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    """The split decodes of a mixed step, merged: one program per (decode tile, KV head)."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    _merge_heads(PartAcc, PartML, Out, tile, tl.load(query_start + tl.load(tile_seq + tile)), kvh,
+                 G * tl.num_programs(1), stride_ot, stride_oh, G, G_POW2, HEAD_DIM, NUM_SEGMENTS)
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _fused_decode(
+    QKV, Pos, Cos, Sin, QW, KW, Slots, KV, Out, PartAcc, PartML, Counter,
+    block_tables, seq_lens, scale, eps,
+    stride_t, stride_cos, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
+    G: tl.constexpr, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, V_CVT_ASM: tl.constexpr, QK_NORM: tl.constexpr,
+):
+    """A decode-only step's attention as one kernel a layer, where it was three (qkv_rope_store, the
+    attention, the merge): at one request those cost ~4.5 us a layer of a ~6 us attention (H200).
+
+    Program (request, KV head, segment) forms its G queries from the q/k/v projection (q/k norm as
+    ``qkv_rope_store`` rounds it, rotary) and attends over its segment of the cached keys; the last
+    segment adds the request's new key itself and writes the new K and V into the cache (no program reads
+    them back). Split over segments, the program that finishes a (request, KV head) last, by an atomic
+    count, merges the partials and resets the count for the next layer."""
+    row = tl.program_id(0)  # a decode-only step: tile i is request i is token i
+    kvh = tl.program_id(1)
+    seg = tl.program_id(2)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    half = tl.arange(0, HALF)
+    d = tl.arange(0, HEAD_DIM)
+    pos = tl.load(Pos + row)
+    seq_len = tl.load(seq_lens + row)  # 0 for a CUDA graph's padding rows
+    cos = tl.load(Cos + pos * stride_cos + half)
+    sin = tl.load(Sin + pos * stride_cos + half)
+    dtype = QKV.dtype.element_ty
+    if QK_NORM:
+        qw1 = tl.load(QW + half).to(dtype)
+        qw2 = tl.load(QW + HALF + half).to(dtype)
+    else:  # unused by norm_rope without the norm
+        qw1 = cos
+        qw2 = cos
+    g = tl.arange(0, BLOCK_M)
+    real = g < G
+    head = kvh * G + g
+    qcol = QKV + row * stride_t + head[:, None] * HEAD_DIM
+    q1 = tl.load(qcol + half[None, :], mask=real[:, None], other=0.0)
+    q2 = tl.load(qcol + HALF + half[None, :], mask=real[:, None], other=0.0)
+    o1, o2 = norm_rope(q1, q2, qw1, qw2, cos, sin, eps, HEAD_DIM, QK_NORM)
+    q = _halves_joined(o1.to(dtype), o2.to(dtype), BLOCK_M, HEAD_DIM)
+    qk_scale = scale * 1.4426950408889634
+    if FP16_DOTS:  # as in _paged_attention
+        q = (q * qk_scale).to(tl.float16)
+
+    cached = tl.maximum(seq_len - 1, 0)  # keys already in the cache; the new one is added below
+    num_tiles = tl.cdiv(cached, TILE)
+    per_seg = tl.cdiv(num_tiles, NUM_SEGMENTS)
+    first = seg * per_seg
+    last = tl.minimum(num_tiles, first + per_seg)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m, s_sum, acc = _attend_tiles(q, m, s_sum, acc, KV + kvh * stride_kvh, block_tables + row * stride_bt,
+                                  first, last, cached, cached, qk_scale, stride_kvkv, stride_kvb, stride_kvs,
+                                  1, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM)
+
+    if seg == NUM_SEGMENTS - 1:
+        if QK_NORM:
+            kw1 = tl.load(KW + half).to(dtype)
+            kw2 = tl.load(KW + HALF + half).to(dtype)
+        else:
+            kw1 = cos
+            kw2 = cos
+        every = tl.zeros([BLOCK_M, 1], tl.int32)  # each row reads the one key head: the scores are row-wise
+        kcol = QKV + row * stride_t + (NUM_Q + kvh) * HEAD_DIM + every
+        k1, k2 = norm_rope(tl.load(kcol + half[None, :]), tl.load(kcol + HALF + half[None, :]),
+                            kw1, kw2, cos, sin, eps, HEAD_DIM, QK_NORM)
+        k = _halves_joined(k1, k2, BLOCK_M, HEAD_DIM).to(KV.dtype.element_ty)
+        v = tl.load(kcol + NUM_KV * HEAD_DIM + d[None, :]).to(KV.dtype.element_ty)
+        dst = KV + tl.load(Slots + row).to(tl.int64) * stride_kvs + kvh * stride_kvh + every + d[None, :]
+        first_row = (g == 0)[:, None]
+        tl.store(dst, k, mask=first_row)
+        tl.store(dst + stride_kvkv, v, mask=first_row)
+        s = tl.sum(q.to(tl.float32) * k.to(q.dtype).to(tl.float32), 1)
+        if not FP16_DOTS:
+            s = s * qk_scale
+        s = tl.where(seq_len > 0, s, float("-inf"))
+        m_new = tl.maximum(m, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe)
+        alpha = tl.exp2(m - m_safe)
+        s_sum = s_sum * alpha + p
+        acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v.to(q.dtype).to(tl.float32)
+        m = m_new
+
+    _finish(Out, PartAcc, PartML, m, s_sum, acc, row + tl.zeros([BLOCK_M], tl.int32), row, head, seg, NUM_Q, real,
+            stride_ot, stride_oh, HEAD_DIM, NUM_SEGMENTS)
+    if NUM_SEGMENTS > 1:
+        tl.debug_barrier()  # every thread's partials are written before the count says so
+        count = Counter + row * NUM_KV + kvh
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SEGMENTS - 1:
+            _merge_heads(PartAcc, PartML, Out, row, row, kvh, NUM_Q, stride_ot, stride_oh, G, G_POW2, HEAD_DIM,
+                         NUM_SEGMENTS)
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _halves_joined(a, b, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[ROWS, D/2] x 2 -> [ROWS, D]: a in the first half of each row, b in the second."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (ROWS, HEAD_DIM))
 
 
 @dataclass
@@ -171,6 +307,7 @@ class TritonState:
     prefill: _Launch | None
     part_acc: torch.Tensor | None
     part_ml: torch.Tensor | None
+    counts: torch.Tensor | None  # [decode tiles x KV heads] segments finished (the fused decode's merge)
 
 
 class TritonAttentionBackend:
@@ -187,6 +324,7 @@ class TritonAttentionBackend:
     FP8_V_ASM = True
     FP8_SPLIT_WARPS = 2  # fp8 decode split over segments (cast): 343 vs 397 us at 4 warps (256 x 1536)
     CUDA_FP8_DECODE = True  # e4m3 decodes not split: the CUDA kernel of cuda_decode.py where it applies
+    FUSED_DECODE = True  # decode-only steps in one kernel (_fused_decode); off only to measure what it saves
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132):
         self.G = num_heads // num_kv_heads
@@ -196,6 +334,7 @@ class TritonAttentionBackend:
         self.decode_block_m = max(16, triton.next_power_of_2(self.G))
         self.prefill_block_q = max(1, self.PREFILL_ROWS // self.G)
         self._cuda_decode: dict[int, CudaFp8Decode | None] = {}  # by block size, built at the first launch
+        self._counts: dict[torch.device, torch.Tensor] = {}  # zeros between kernels: each merge resets its own
 
     def decode_segments(self, batch: int, max_seq_len: int) -> int:
         """Split long keys over programs when the batch alone cannot fill the GPU."""
@@ -216,12 +355,22 @@ class TritonAttentionBackend:
             arr = np.asarray(prefill_tiles, dtype=np.int32).reshape(-1, 2)
             prefill = _Launch(to(arr[:, 0]), to(arr[:, 1]), self.prefill_block_q,
                               max(16, triton.next_power_of_2(self.prefill_block_q * self.G)), 1)
-        part_acc = part_ml = None
+        part_acc = part_ml = counts = None
         if decode is not None and num_segments > 1:
             n = len(decode_seqs)
             part_acc = torch.empty((n, self.num_heads, num_segments, self.head_dim), dtype=torch.float32, device=dev)
             part_ml = torch.empty((n, self.num_heads, num_segments, 2), dtype=torch.float32, device=dev)
-        return TritonState(decode, prefill, part_acc, part_ml)
+            counts = self._zero_counts(dev, n * self.num_kv_heads)
+        return TritonState(decode, prefill, part_acc, part_ml, counts)
+
+    def _zero_counts(self, dev, n: int) -> torch.Tensor:
+        """One persistent buffer a device, shared by every state and layer (kernels run one after another).
+        Allocated here, outside any graph capture; splits happen only below 2 programs an SM, so the
+        first size nearly always lasts."""
+        counts = self._counts.get(dev)
+        if counts is None or counts.numel() < n:
+            counts = self._counts[dev] = torch.zeros(max(n, 2 * self.num_sms), dtype=torch.int32, device=dev)
+        return counts
 
     def _tiles(self, qlens: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """The decoding requests, and (request, first query token) of every prefill tile."""
@@ -244,13 +393,39 @@ class TritonAttentionBackend:
             segs *= 2
 
     def forward(self, qkv, positions, layer, kv_cache, meta):
-        """One fused kernel for norms + rotary + K/V store, then the attention kernel(s)."""
+        """A decode-only step: one fused kernel (unless the CUDA fp8 decode takes it). Otherwise one fused
+        kernel for norms + rotary + K/V store, then the attention kernel(s)."""
+        st: TritonState = meta.backend_state
+        if self.FUSED_DECODE and st.prefill is None and self._cuda_kernel(qkv.dtype, kv_cache, st.decode, st) is None:
+            return self._fused_decode(qkv, positions, layer, kv_cache, meta, st)
         q = qkv_rope_store(qkv, positions, layer.rotary.cos, layer.rotary.sin,
                            layer.q_norm.weight if layer.qk_norm else None,
                            layer.k_norm.weight if layer.qk_norm else None,
                            layer.q_norm.eps if layer.qk_norm else 0.0, meta.slot_mapping, kv_cache,
                            self.num_heads, self.num_kv_heads, self.head_dim)
         return self.attend(q, kv_cache, meta, layer.scale)
+
+    def _fused_decode(self, qkv, positions, layer, kv_cache, meta, st: TritonState) -> torch.Tensor:
+        launch = st.decode
+        segs = launch.num_segments
+        out = torch.empty((qkv.shape[0], self.num_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
+        slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)  # the kernel addresses slots flat
+        split = segs > 1
+        tile, warps, stages, v_asm = self._shape(launch, st, kv_cache.element_size() == 1, kv_cache.is_cuda)
+        cos, sin = layer.rotary.cos, layer.rotary.sin
+        _fused_decode[(launch.tile_seq.shape[0], self.num_kv_heads, segs)](
+            qkv, positions, cos, sin, layer.q_norm.weight if layer.qk_norm else cos,
+            layer.k_norm.weight if layer.qk_norm else cos, meta.slot_mapping, kv_cache, out,
+            st.part_acc if split else out, st.part_ml if split else out, st.counts if split else out,
+            meta.block_tables, meta.seq_lens, layer.scale, layer.q_norm.eps if layer.qk_norm else 0.0,
+            qkv.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1), slots.stride(1), kv_cache.stride(3),
+            meta.block_tables.stride(0), out.stride(0), out.stride(1),
+            G=self.G, G_POW2=triton.next_power_of_2(self.G), BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
+            NUM_Q=self.num_heads, NUM_KV=self.num_kv_heads, TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs,
+            FP16_DOTS=kv_cache.element_size() == 1, V_CVT_ASM=v_asm, QK_NORM=layer.qk_norm,
+            num_warps=warps, num_stages=stages,
+        )
+        return out
 
     def attend(self, q, kv_cache, meta, scale):
         st: TritonState = meta.backend_state
@@ -270,18 +445,18 @@ class TritonAttentionBackend:
             return *self.FP8_DECODE, self.FP8_V_ASM and on_gpu
         return self.TILE, self.NUM_WARPS, self.NUM_STAGES, False
 
-    def _cuda_kernel(self, q, kv_cache, launch: _Launch, st: TritonState) -> CudaFp8Decode | None:
-        """The CUDA fp8 decode for this launch, if it is one the kernel covers."""
+    def _cuda_kernel(self, q_dtype, kv_cache, launch: _Launch, st: TritonState) -> CudaFp8Decode | None:
+        """The CUDA fp8 decode for this launch, if it is one the kernel covers (given aligned queries)."""
         if not (self.CUDA_FP8_DECODE and launch is st.decode and launch.num_segments == 1 and kv_cache.is_cuda
-                and kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and CudaFp8Decode.takes(q)):
+                and kv_cache.dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16):
             return None
         page = kv_cache.shape[2]
         if page not in self._cuda_decode:
-            self._cuda_decode[page] = CudaFp8Decode.build(self.G, self.num_kv_heads, self.head_dim, page, q.device)
+            self._cuda_decode[page] = CudaFp8Decode.build(self.G, self.num_kv_heads, self.head_dim, page, kv_cache.device)
         return self._cuda_decode[page]
 
     def _launch(self, q, kv_cache, out, meta, st, launch: _Launch, scale):
-        cuda = self._cuda_kernel(q, kv_cache, launch, st)
+        cuda = self._cuda_kernel(q.dtype, kv_cache, launch, st) if CudaFp8Decode.takes(q) else None
         if cuda is not None:
             cuda(q, kv_cache, out, meta, launch.tile_seq, scale)
             return
@@ -302,6 +477,6 @@ class TritonAttentionBackend:
             num_warps=warps, num_stages=stages,
         )
         if split:
-            _merge_segments[(launch.tile_seq.shape[0], self.num_heads)](
+            _merge_segments[(launch.tile_seq.shape[0], self.num_kv_heads)](
                 st.part_acc, st.part_ml, out, launch.tile_seq, meta.query_start_loc, out.stride(0), out.stride(1),
-                HEAD_DIM=self.head_dim, NUM_SEGMENTS=segs)
+                G=self.G, G_POW2=triton.next_power_of_2(self.G), HEAD_DIM=self.head_dim, NUM_SEGMENTS=segs)
