@@ -20,7 +20,6 @@ class CudaFp8Decode:
     """One compiled variant (warps, G, block size) of the kernel; calling it writes ``out``'s decode rows."""
 
     WARPS = 4
-    STAGES = 0  # 0: the next step prefetched into registers; >= 2: a cp.async ring of that many steps a warp
 
     def __init__(self, kernel, warps: int, num_kv_heads: int):
         self.kernel, self.warps, self.num_kv_heads = kernel, warps, num_kv_heads
@@ -41,10 +40,9 @@ class CudaFp8Decode:
 
     @classmethod
     def build(cls, group: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
-              warps: int | None = None, stages: int | None = None) -> CudaFp8Decode | None:
+              warps: int | None = None) -> CudaFp8Decode | None:
         """Compile the variant, or say (once, in the log) why fp8 decodes stay on Triton."""
         warps = warps or cls.WARPS
-        stages = cls.STAGES if stages is None else stages
         reason = cls.unsupported(group, head_dim, block_size, device)
         if reason is None:
             try:
@@ -52,9 +50,8 @@ class CudaFp8Decode:
                     kernel = torch.cuda._compile_kernel(
                         _SOURCE.read_text(), "fp8_paged_decode",
                         nvcc_options=["-std=c++17", "--use_fast_math", f"-DWARPS={warps}", f"-DG={group}",
-                                      f"-DBLOCK_SIZE={block_size}", f"-DSTAGES={stages}"])
-                logger.info("fp8 decodes: CUDA kernel, %d warps a (sequence, KV head), %s", warps,
-                            f"a {stages}-step cp.async ring" if stages else "register prefetch")
+                                      f"-DBLOCK_SIZE={block_size}"])
+                logger.info("fp8 decodes: CUDA kernel, %d warps a (sequence, KV head)", warps)
                 return cls(kernel, warps, num_kv_heads)
             except Exception as e:  # NVRTC missing or refusing: Triton still serves every launch
                 reason = f"NVRTC failed: {e}"

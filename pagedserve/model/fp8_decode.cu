@@ -13,10 +13,7 @@
 //   PV m-tile i, row g / g+8                        <->  d = 16g + 2i / 16g + 2i + 1
 // Warp w takes 16-key steps w, w+WARPS, ...; the warps' partial (m, l, acc) merge through shared memory.
 // No headers: bf16 travels as its bits, so NVRTC needs no CUDA include directory.
-// STAGES 0: each thread's next step is loaded into registers one step ahead. STAGES >= 2: cp.async copies the
-// next STAGES-1 steps into a ring in shared memory, each lane to its own 16-byte slots (no barrier, no bank
-// conflict), so more bytes are in flight without holding registers for them.
-// Compiled per (WARPS, G, BLOCK_SIZE, STAGES); HEAD_DIM is 128 and the scores run in base 2 (scale folded into q).
+// Compiled per (WARPS, G, BLOCK_SIZE); HEAD_DIM is 128 and the scores run in base 2 (scale folded into q).
 typedef unsigned char uint8_t;
 typedef unsigned short bf16_t;
 typedef unsigned int uint32_t;
@@ -31,9 +28,6 @@ typedef unsigned int uint32_t;
 #endif
 #ifndef BLOCK_SIZE
 #define BLOCK_SIZE 16  // the cache's block size, a multiple of STEP
-#endif
-#ifndef STAGES
-#define STAGES 0
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -88,34 +82,6 @@ __device__ __forceinline__ void load_step(StepLoad& st, const uint8_t* K, const 
     }
 }
 
-#if STAGES
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    uint32_t r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void cp16(uint32_t dst, const void* src, bool real) {  // zero-filled when not real
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(real ? 16 : 0));
-}
-// the same bytes as load_step, copied to this lane's slots of one ring stage: chunk c at dst + 512 c
-__device__ __forceinline__ void issue_step(uint32_t dst, const uint8_t* K, const uint8_t* V, const int* table,
-                                           int step, int seq_len, int stride_b, int stride_s,
-                                           const int* koff, const int* voff, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    const int key0 = step * STEP;
-    const long base = (long)table[key0 / BLOCK_SIZE] * stride_b + (long)(key0 % BLOCK_SIZE) * stride_s;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-        const bool real = key0 + n * 8 + g < seq_len;
-        cp16(dst + 512 * (2 * n), K + base + koff[n], real);
-        cp16(dst + 512 * (2 * n + 1), K + base + koff[n] + 16, real);
-    }
-    const int vkeys[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
-#pragma unroll
-    for (int r = 0; r < 4; ++r) cp16(dst + 512 * (4 + r), V + base + voff[r], key0 + vkeys[r] < seq_len);
-}
-#endif
-
 __device__ __forceinline__ uint32_t word(const uint4& x, int i) {
     return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
@@ -162,42 +128,11 @@ fp8_paged_decode(const bf16_t* __restrict__ Q, const uint8_t* __restrict__ Kc, c
     const int voff[4] = {2 * t * stride_kvs + 16 * g, (2 * t + 1) * stride_kvs + 16 * g,
                           (2 * t + 8) * stride_kvs + 16 * g, (2 * t + 9) * stride_kvs + 16 * g};
     const int steps = (seq_len + STEP - 1) / STEP;
-#if STAGES
-    __shared__ uint4 ring[WARPS][STAGES][8][32];  // [warp][stage][chunk][lane]: 16 KB a stage at 4 warps
-    const uint32_t my_slots = smem_addr(&ring[warp][0][0][lane]);  // + stage * 8 * 512
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (warp + i * WARPS < steps)
-            issue_step(my_slots + i * 4096, K, V, table, warp + i * WARPS, seq_len, stride_kvb, stride_kvs, koff, voff, lane);
-        asm volatile("cp.async.commit_group;");
-    }
-    int stage = 0;
-#else
-    StepLoad nxt;
-#endif
-    StepLoad cur;
+    StepLoad cur, nxt;
     int s = warp;
-#if !STAGES
     if (s < steps) load_step(cur, K, V, table, s, seq_len, stride_kvb, stride_kvs, koff, voff, lane);
-#endif
     for (; s < steps; s += WARPS) {
-#if STAGES
-        {   // refill the stage read one iteration ago (its bytes are in registers by now), then wait for this one
-            const int ahead = s + (STAGES - 1) * WARPS;
-            const int fill = stage == 0 ? STAGES - 1 : stage - 1;
-            if (ahead < steps)
-                issue_step(my_slots + fill * 4096, K, V, table, ahead, seq_len, stride_kvb, stride_kvs, koff, voff, lane);
-            asm volatile("cp.async.commit_group;");
-            asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
-            const uint4* mine = &ring[warp][stage][0][lane];
-            cur.k[0][0] = mine[0]; cur.k[0][1] = mine[32]; cur.k[1][0] = mine[64]; cur.k[1][1] = mine[96];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) cur.v[r] = mine[32 * (4 + r)];
-            stage = stage == STAGES - 1 ? 0 : stage + 1;
-        }
-#else
         if (s + WARPS < steps) load_step(nxt, K, V, table, s + WARPS, seq_len, stride_kvb, stride_kvs, koff, voff, lane);
-#endif
         // S = Q K^T over two n-tiles of 8 keys
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         float sc_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // odd k-steps: two chains of 4, not one of 8
@@ -255,20 +190,12 @@ fp8_paged_decode(const bf16_t* __restrict__ Q, const uint8_t* __restrict__ Kc, c
             cvt4(hi89, a2, a3);
             mma(acc[2 * w + 1], a0, a1, a2, a3, pb0, pb1);
         }
-#if !STAGES
         cur = nxt;
-#endif
     }
 
     // merge the warps' partials: per warp m[G], l[G], acc[G][HEAD_DIM]
-#if STAGES  // in the ring's bytes, once every warp is out of its loop
-    __syncthreads();
-    float (*sm_ml)[G][2] = reinterpret_cast<float (*)[G][2]>(&ring[0][0][0][0]);
-    float (*sm_acc)[G][HEAD_DIM] = reinterpret_cast<float (*)[G][HEAD_DIM]>(&ring[0][0][0][0].x + WARPS * G * 2);
-#else
     __shared__ float sm_ml[WARPS][G][2];
     __shared__ float sm_acc[WARPS][G][HEAD_DIM];
-#endif
     if (t == 0 && g < G) { sm_ml[warp][g][0] = m; sm_ml[warp][g][1] = l; }
     if (t < G / 2) {  // lanes holding real heads 2t, 2t+1 in their acc columns
 #pragma unroll
