@@ -95,11 +95,12 @@ def test_triton_matches_reference_on_mixed_batches(model_type, block_size, heads
 
 
 class _Refused:
-    def __getitem__(self, grid):
-        raise AssertionError("a decode-only step launched a kernel the fused decode replaces")
+    """Stands in for a kernel (``fn[grid](...)``) or a function (``fn(...)``) that must not run."""
 
-    def __call__(self, *args, **kwargs):
-        self[None]
+    def _refuse(self, *args, **kwargs):
+        raise AssertionError("a decode-only step ran a kernel the fused decode replaces")
+
+    __getitem__ = __call__ = _refuse
 
 
 @pytest.mark.parametrize("model_type, heads, kv_heads, sms", [
@@ -119,9 +120,12 @@ def test_decode_only_steps_run_one_fused_kernel_that_matches_the_reference(monke
     assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
 
 
-def test_fused_decode_resets_its_counts_and_leaves_padding_rows_at_zero():
+def test_fused_decode_resets_its_counts_and_leaves_padding_rows_at_zero(monkeypatch):
     """A CUDA graph pads a batch with rows of sequence length 0: their output is 0 (no key, not NaN) and
     they leave the real rows alone; every (request, KV head) count is back at 0 for the next layer."""
+    import pagedserve.model.triton_attention as ta
+
+    monkeypatch.setattr(ta, "qkv_rope_store", _Refused())  # the fused kernel, not the three-kernel path
     ref, tri = attention_pair("qwen3", 8, 2, 16, torch.float32, sms=100000)
     meta, positions = make_batch(np.random.default_rng(0), [1, 1, 1], [300, 40, 0], 16, 40)
     meta.seq_lens[2] = 0  # the padding row (its one token goes to a slot nobody reads)

@@ -198,7 +198,7 @@ def _fused_decode(
     FP16_DOTS: tl.constexpr, V_CVT_ASM: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     """A decode-only step's attention as one kernel a layer, where it was three (qkv_rope_store, the
-    attention, the merge): at one request those cost ~4.5 us a layer of a ~6 us attention (H200).
+    attention, the merge): at one Qwen3-8B request 8.2 us a layer against 2.7 + 5.7 + 2.6 (H200).
 
     Program (request, KV head, segment) forms its G queries from the q/k/v projection (q/k norm as
     ``qkv_rope_store`` rounds it, rotary) and attends over its segment of the cached keys; the last
