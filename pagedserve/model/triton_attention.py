@@ -44,13 +44,20 @@ def _e4m3_to_f16(x):
 
 
 @triton.jit
-def _attend_tiles(q, m, s_sum, acc, K, table, first, last, kv_end, qpos, qk_scale,
-                  stride_kvkv, stride_kvb, stride_kvs,
-                  BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr,
-                  FP16_DOTS: tl.constexpr, V_CVT_ASM: tl.constexpr):
-    """The online softmax (m, s_sum, acc) of q's rows carried over key tiles [first, last) of one
-    request's keys before ``kv_end``: ``K`` is the cache at this KV head, ``table`` the request's block
-    table; rows are causal up to ``qpos`` unless BLOCK_Q is 1 (a decode sees every key)."""
+def _attend_segment(q, K, table, kv_end, qpos, qk_scale, seg, stride_kvkv, stride_kvb, stride_kvs,
+                    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+                    PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP16_DOTS: tl.constexpr,
+                    V_CVT_ASM: tl.constexpr):
+    """The online softmax (m, s_sum, acc) of q's rows over segment ``seg`` of NUM_SEGMENTS of one request's
+    key tiles before ``kv_end``: ``K`` is the cache at this KV head, ``table`` the request's block table;
+    rows are causal up to ``qpos`` unless BLOCK_Q is 1 (a decode sees every key)."""
+    num_tiles = tl.cdiv(kv_end, TILE)
+    per_seg = tl.cdiv(num_tiles, NUM_SEGMENTS)
+    first = seg * per_seg
+    last = tl.minimum(num_tiles, first + per_seg)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     d = tl.arange(0, HEAD_DIM)
     V = K + stride_kvkv
     for j in range(first, last):
@@ -122,17 +129,9 @@ def _paged_attention(
     qpos = ctx + tok
 
     kv_end = tl.minimum(seq_len, ctx + q_off + BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, TILE)
-    per_seg = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    first = seg * per_seg
-    last = tl.minimum(num_tiles, first + per_seg)
-
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    s_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m, s_sum, acc = _attend_tiles(q, m, s_sum, acc, KV + kvh * stride_kvh, block_tables + seq * stride_bt,
-                                  first, last, kv_end, qpos, qk_scale, stride_kvkv, stride_kvb, stride_kvs,
-                                  BLOCK_Q, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM)
+    m, s_sum, acc = _attend_segment(q, KV + kvh * stride_kvh, block_tables + seq * stride_bt, kv_end, qpos, qk_scale,
+                                    seg, stride_kvkv, stride_kvb, stride_kvs, BLOCK_Q, BLOCK_M, HEAD_DIM, TILE, PAGE,
+                                    NUM_SEGMENTS, FP16_DOTS, V_CVT_ASM)
 
     _finish(Out, PartAcc, PartML, m, s_sum, acc, q_start + tok, tile, head, seg, G * tl.num_programs(1), row_valid,
             stride_ot, stride_oh, HEAD_DIM, NUM_SEGMENTS)
@@ -235,16 +234,9 @@ def _fused_decode(
         q = (q * qk_scale).to(tl.float16)
 
     cached = tl.maximum(seq_len - 1, 0)  # keys already in the cache; the new one is added below
-    num_tiles = tl.cdiv(cached, TILE)
-    per_seg = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    first = seg * per_seg
-    last = tl.minimum(num_tiles, first + per_seg)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    s_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m, s_sum, acc = _attend_tiles(q, m, s_sum, acc, KV + kvh * stride_kvh, block_tables + row * stride_bt,
-                                  first, last, cached, cached, qk_scale, stride_kvkv, stride_kvb, stride_kvs,
-                                  1, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM)
+    m, s_sum, acc = _attend_segment(q, KV + kvh * stride_kvh, block_tables + row * stride_bt, cached, cached, qk_scale,
+                                    seg, stride_kvkv, stride_kvb, stride_kvs, 1, BLOCK_M, HEAD_DIM, TILE, PAGE,
+                                    NUM_SEGMENTS, FP16_DOTS, V_CVT_ASM)
 
     if seg == NUM_SEGMENTS - 1:
         if QK_NORM:
