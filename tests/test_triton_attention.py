@@ -190,9 +190,9 @@ def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
         launched.append((launch.block_q, launch.num_segments))
         return real(self, q, kv_cache, out, meta, st, launch, scale)
 
-    def spy_fused(self, qkv, positions, layer, kv_cache, meta, st):
+    def spy_fused(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st):
         fused.append(st.decode.num_segments)
-        return real_fused(self, qkv, positions, layer, kv_cache, meta, st)
+        return real_fused(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st)
 
     monkeypatch.setattr(TritonAttentionBackend, "_launch", spy)
     monkeypatch.setattr(TritonAttentionBackend, "_fused_decode", spy_fused)

@@ -324,6 +324,7 @@ class TritonAttentionBackend:
         self.num_sms = num_sms
         # a decode tile is one token: its G heads padded to the smallest dot the tensor cores take
         self.decode_block_m = max(16, triton.next_power_of_2(self.G))
+        self.g_pow2 = triton.next_power_of_2(self.G)  # the merge's head block
         self.prefill_block_q = max(1, self.PREFILL_ROWS // self.G)
         self._cuda_decode: dict[int, CudaFp8Decode | None] = {}  # by block size, built at the first launch
         self._counts: dict[torch.device, torch.Tensor] = {}  # zeros between kernels: each merge resets its own
@@ -388,33 +389,31 @@ class TritonAttentionBackend:
         """A decode-only step: one fused kernel (unless the CUDA fp8 decode takes it). Otherwise one fused
         kernel for norms + rotary + K/V store, then the attention kernel(s)."""
         st: TritonState = meta.backend_state
+        qw, kw, eps = (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps) if layer.qk_norm else (None, None, 0.0)
         if self.FUSED_DECODE and st.prefill is None and self._cuda_kernel(qkv.dtype, kv_cache, st.decode, st) is None:
-            return self._fused_decode(qkv, positions, layer, kv_cache, meta, st)
-        q = qkv_rope_store(qkv, positions, layer.rotary.cos, layer.rotary.sin,
-                           layer.q_norm.weight if layer.qk_norm else None,
-                           layer.k_norm.weight if layer.qk_norm else None,
-                           layer.q_norm.eps if layer.qk_norm else 0.0, meta.slot_mapping, kv_cache,
-                           self.num_heads, self.num_kv_heads, self.head_dim)
+            return self._fused_decode(qkv, positions, layer, qw, kw, eps, kv_cache, meta, st)
+        q = qkv_rope_store(qkv, positions, layer.rotary.cos, layer.rotary.sin, qw, kw, eps, meta.slot_mapping,
+                           kv_cache, self.num_heads, self.num_kv_heads, self.head_dim)
         return self.attend(q, kv_cache, meta, layer.scale)
 
-    def _fused_decode(self, qkv, positions, layer, kv_cache, meta, st: TritonState) -> torch.Tensor:
+    def _fused_decode(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st: TritonState) -> torch.Tensor:
         launch = st.decode
         segs = launch.num_segments
         out = torch.empty((qkv.shape[0], self.num_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
         slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)  # the kernel addresses slots flat
         split = segs > 1
-        tile, warps, stages, v_asm = self._shape(launch, st, kv_cache.element_size() == 1, kv_cache.is_cuda)
+        fp8 = kv_cache.element_size() == 1
+        tile, warps, stages, v_asm = self._shape(launch, st, fp8, kv_cache.is_cuda)
         cos, sin = layer.rotary.cos, layer.rotary.sin
         _fused_decode[(launch.tile_seq.shape[0], self.num_kv_heads, segs)](
-            qkv, positions, cos, sin, layer.q_norm.weight if layer.qk_norm else cos,
-            layer.k_norm.weight if layer.qk_norm else cos, meta.slot_mapping, kv_cache, out,
-            st.part_acc if split else out, st.part_ml if split else out, st.counts if split else out,
-            meta.block_tables, meta.seq_lens, layer.scale, layer.q_norm.eps if layer.qk_norm else 0.0,
+            qkv, positions, cos, sin, cos if qw is None else qw, cos if kw is None else kw, meta.slot_mapping,
+            kv_cache, out, st.part_acc if split else out, st.part_ml if split else out, st.counts if split else out,
+            meta.block_tables, meta.seq_lens, layer.scale, eps,
             qkv.stride(0), cos.stride(0), kv_cache.stride(0), kv_cache.stride(1), slots.stride(1), kv_cache.stride(3),
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
-            G=self.G, G_POW2=triton.next_power_of_2(self.G), BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
+            G=self.G, G_POW2=self.g_pow2, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             NUM_Q=self.num_heads, NUM_KV=self.num_kv_heads, TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs,
-            FP16_DOTS=kv_cache.element_size() == 1, V_CVT_ASM=v_asm, QK_NORM=layer.qk_norm,
+            FP16_DOTS=fp8, V_CVT_ASM=v_asm, QK_NORM=qw is not None,
             num_warps=warps, num_stages=stages,
         )
         return out
@@ -471,4 +470,4 @@ class TritonAttentionBackend:
         if split:
             _merge_segments[(launch.tile_seq.shape[0], self.num_kv_heads)](
                 st.part_acc, st.part_ml, out, launch.tile_seq, meta.query_start_loc, out.stride(0), out.stride(1),
-                G=self.G, G_POW2=triton.next_power_of_2(self.G), HEAD_DIM=self.head_dim, NUM_SEGMENTS=segs)
+                G=self.G, G_POW2=self.g_pow2, HEAD_DIM=self.head_dim, NUM_SEGMENTS=segs)
