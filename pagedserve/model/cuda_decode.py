@@ -20,6 +20,7 @@ class CudaFp8Decode:
     """One compiled variant (warps, G, block size) of the kernel; calling it writes ``out``'s decode rows."""
 
     WARPS = 4
+    PREFETCH = 3  # steps ahead a warp prefetches its K/V lines into L2 (0: none)
 
     def __init__(self, kernel, warps: int, num_kv_heads: int):
         self.kernel, self.warps, self.num_kv_heads = kernel, warps, num_kv_heads
@@ -50,7 +51,7 @@ class CudaFp8Decode:
                     kernel = torch.cuda._compile_kernel(
                         _SOURCE.read_text(), "fp8_paged_decode",
                         nvcc_options=["-std=c++17", "--use_fast_math", f"-DWARPS={warps}", f"-DG={group}",
-                                      f"-DBLOCK_SIZE={block_size}"])
+                                      f"-DBLOCK_SIZE={block_size}", f"-DPREFETCH={cls.PREFETCH}"])
                 logger.info("fp8 decodes: CUDA kernel, %d warps a (sequence, KV head)", warps)
                 return cls(kernel, warps, num_kv_heads)
             except Exception as e:  # NVRTC missing or refusing: Triton still serves every launch

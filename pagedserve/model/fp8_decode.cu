@@ -4,7 +4,9 @@
 // reached 2.8-3.3 TB/s against ~4 TB/s for bf16 (docs/benchmarks.md). Here the key loop has no shared
 // memory and no barriers: each thread loads its own K/V bytes global -> registers with 16-byte loads,
 // prefetched one 16-key step ahead, converts them with cvt.rn.f16x2.e4m3x2 (+ prmt for V) and feeds
-// mma.sync m16n8k16 (f16 in, f32 accumulate).
+// mma.sync m16n8k16 (f16 in, f32 accumulate). The kernel waits on its memory stream, not on issue: each
+// warp also asks L2 for its lines PREFETCH steps ahead (prefetch.global.L2 holds no register), which put
+// more bytes in flight than a deeper register prefetch could at 3 CTAs an SM (docs/benchmarks.md).
 //   S  = Q K^T  : M = 16 rows (the G query heads of this KV head, the rest zero), N = 8 keys, K = 16 d.
 //   O^T = V^T P^T: M = 16 d an m-tile, N = 8 (the G heads, the rest padding), K = 16 keys.
 // P^T's B fragment (keys 2t,2t+1 ; head g) is exactly S's accumulator (head g ; keys 2t,2t+1): no shuffles.
@@ -28,6 +30,9 @@ typedef unsigned int uint32_t;
 #endif
 #ifndef BLOCK_SIZE
 #define BLOCK_SIZE 16  // the cache's block size, a multiple of STEP
+#endif
+#ifndef PREFETCH
+#define PREFETCH 0  // > 0: each warp also asks L2 for its K/V lines PREFETCH steps ahead (no registers held)
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -86,7 +91,12 @@ __device__ __forceinline__ uint32_t word(const uint4& x, int i) {
     return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+#if PREFETCH > 0
+#define MIN_CTAS (12 / WARPS)  // the prefetch's address math would take 178 registers: keep 12 warps an SM
+#else
+#define MIN_CTAS 1
+#endif
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 fp8_paged_decode(const bf16_t* __restrict__ Q, const uint8_t* __restrict__ Kc, const uint8_t* __restrict__ Vc,
                  bf16_t* __restrict__ Out, const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                  const int* __restrict__ query_start, const int* __restrict__ tile_seq, double qk_scale_log2_d,
@@ -133,6 +143,14 @@ fp8_paged_decode(const bf16_t* __restrict__ Q, const uint8_t* __restrict__ Kc, c
     if (s < steps) load_step(cur, K, V, table, s, seq_len, stride_kvb, stride_kvs, koff, voff, lane);
     for (; s < steps; s += WARPS) {
         if (s + WARPS < steps) load_step(nxt, K, V, table, s + WARPS, seq_len, stride_kvb, stride_kvs, koff, voff, lane);
+#if PREFETCH > 0
+        if (s + PREFETCH * WARPS < steps) {  // lanes 0-15: the 16 keys' K lines (128 bytes each), 16-31: V's
+            const int key = (s + PREFETCH * WARPS) * STEP + (lane & 15);
+            const uint8_t* line = (lane < 16 ? K : V) + (long)table[key / BLOCK_SIZE] * stride_kvb
+                                  + (long)(key % BLOCK_SIZE) * stride_kvs;
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(line));
+        }
+#endif
         // S = Q K^T over two n-tiles of 8 keys
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         float sc_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // odd k-steps: two chains of 4, not one of 8
