@@ -3,7 +3,8 @@ kernel alone at a few tile shapes with its achieved bandwidth.
 
 python benchmarks/profile_decode.py [--kernels-only | --fp8 | --cuda | --fp8-step | --segments | --prefill | --ncu]
 
---cuda: the fp8 decode alone, the CUDA kernel (2, 4, 8 warps a CTA) against the Triton kernel.
+--cuda: the fp8 decode alone, the CUDA kernel (2, 4, 8 warps a CTA; 4 without its L2 prefetch) against
+the Triton kernel.
 --fp8-step: the kernel profile of one 512-sequence Qwen3-8B decode step over an fp8 cache.
 
 --ncu: only a few fp8 decode launches at 256 x 1536, for Nsight Compute:
@@ -101,8 +102,9 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
 
 
 def cuda_vs_triton(batch: int, context_lens: list[int], heads=32, kv_heads=8) -> None:
-    """The fp8 decode alone: the CUDA kernel (cuda_decode.py) at 2, 4 and 8 warps a CTA against the
-    Triton kernel at its engine shape, on the same cache, with the K/V bandwidth each reaches."""
+    """The fp8 decode alone: the CUDA kernel (cuda_decode.py) at 2, 4 and 8 warps a CTA (and at 4 without
+    its L2 prefetch) against the Triton kernel at its engine shape, on the same cache, with the K/V
+    bandwidth each reaches."""
     from pagedserve.model.cuda_decode import CudaFp8Decode
 
     cache, q, meta = paged_inputs(heads, kv_heads, [1] * batch, context_lens, torch.float8_e4m3fn)
@@ -113,15 +115,15 @@ def cuda_vs_triton(batch: int, context_lens: list[int], heads=32, kv_heads=8) ->
     be.prepare(meta, BS)
     arms = [("Triton", lambda: be.attend(q, cache, meta, D ** -0.5))]
     out = torch.empty_like(q)
-    for warps in (2, 4, 8):
-        k = CudaFp8Decode.build(heads // kv_heads, kv_heads, D, BS, cache.device, warps=warps)
-        arms.append((f"CUDA {warps} warps", lambda k=k: k(q, cache, out, meta, meta.backend_state.decode.tile_seq,
-                                                            D ** -0.5)))
+    for warps, prefetch in ((2, None), (4, 0), (4, None), (8, None)):
+        k = CudaFp8Decode.build(heads // kv_heads, kv_heads, D, BS, cache.device, warps=warps, prefetch=prefetch)
+        name = f"CUDA {warps} warps" + (", no L2 prefetch" if prefetch == 0 else "")
+        arms.append((name, lambda k=k: k(q, cache, out, meta, meta.backend_state.decode.tile_seq, D ** -0.5)))
     print(f"\n== fp8 decode alone, {batch} x context {min(context_lens)}..{max(context_lens)}, "
           f"{kv_bytes / 2**30:.2f} GiB of K/V per call")
     for name, fn in arms:
         ms = triton.testing.do_bench(fn, rep=200)
-        print(f"  {name:<13}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
+        print(f"  {name:<30}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
 def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, length=1024) -> None:

@@ -5,8 +5,9 @@
 // memory and no barriers: each thread loads its own K/V bytes global -> registers with 16-byte loads,
 // prefetched one 16-key step ahead, converts them with cvt.rn.f16x2.e4m3x2 (+ prmt for V) and feeds
 // mma.sync m16n8k16 (f16 in, f32 accumulate). The kernel waits on its memory stream, not on issue: each
-// warp also asks L2 for its lines PREFETCH steps ahead (prefetch.global.L2 holds no register), which put
-// more bytes in flight than a deeper register prefetch could at 3 CTAs an SM (docs/benchmarks.md).
+// warp also asks L2 for its lines PREFETCH steps ahead (prefetch.global.L2 holds no register; the first
+// ones before the loop), which puts more bytes in flight than a deeper register prefetch could at 3 CTAs
+// an SM, and its loads mark the lines evict-first, as each is read once (docs/benchmarks.md).
 //   S  = Q K^T  : M = 16 rows (the G query heads of this KV head, the rest zero), N = 8 keys, K = 16 d.
 //   O^T = V^T P^T: M = 16 d an m-tile, N = 8 (the G heads, the rest padding), K = 16 keys.
 // P^T's B fragment (keys 2t,2t+1 ; head g) is exactly S's accumulator (head g ; keys 2t,2t+1): no shuffles.
@@ -32,7 +33,7 @@ typedef unsigned int uint32_t;
 #define BLOCK_SIZE 16  // the cache's block size, a multiple of STEP
 #endif
 #ifndef PREFETCH
-#define PREFETCH 0  // > 0: each warp also asks L2 for its K/V lines PREFETCH steps ahead (no registers held)
+#define PREFETCH 3  // steps ahead a warp asks L2 for its K/V lines (0: none)
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -63,27 +64,44 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {  // lo in the 
     return r;
 }
 
+// K/V bytes are read once: evict-first keeps L2 for the lines prefetched ahead
+__device__ __forceinline__ uint4 load_once(const uint4* p, unsigned long long policy) {
+    uint4 r;
+    asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
+    return r;
+}
+
+// lanes 0-15 ask L2 for the K line (128 bytes) of one of the step's 16 keys, lanes 16-31 for its V line
+__device__ __forceinline__ void prefetch_step(const uint8_t* K, const uint8_t* V, const int* table, int step,
+                                              int stride_b, int stride_s, int lane) {
+    const int key = step * STEP + (lane & 15);
+    const uint8_t* line = (lane < 16 ? K : V) + (long)table[key / BLOCK_SIZE] * stride_b
+                          + (long)(key % BLOCK_SIZE) * stride_s;
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(line));
+}
+
 struct StepLoad { uint4 k[2][2]; uint4 v[4]; };  // K: n-tile x 32 bytes; V: 4 keys x 16 bytes
 
 // this thread's rows of one 16-key step: K keys n*8+g (d 32t..), V keys 2t, 2t+1, 2t+8, 2t+9 (d 16g..);
 // koff/voff: their byte offsets within a step, fixed for the whole loop
 __device__ __forceinline__ void load_step(StepLoad& st, const uint8_t* K, const uint8_t* V, const int* table,
                                           int step, int seq_len, int stride_b, int stride_s,
-                                          const int* koff, const int* voff, int lane) {
+                                          const int* koff, const int* voff, int lane, unsigned long long policy) {
     const int g = lane >> 2, t = lane & 3;
     const int key0 = step * STEP;
     const long base = (long)table[key0 / BLOCK_SIZE] * stride_b + (long)(key0 % BLOCK_SIZE) * stride_s;
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
         const uint4* p = reinterpret_cast<const uint4*>(K + base + koff[n]);
-        if (key0 + n * 8 + g < seq_len) { st.k[n][0] = __ldg(p); st.k[n][1] = __ldg(p + 1); }
+        if (key0 + n * 8 + g < seq_len) { st.k[n][0] = load_once(p, policy); st.k[n][1] = load_once(p + 1, policy); }
         else { st.k[n][0] = make_uint4(0, 0, 0, 0); st.k[n][1] = make_uint4(0, 0, 0, 0); }
     }
     const int vkeys[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
         const uint4* p = reinterpret_cast<const uint4*>(V + base + voff[r]);
-        st.v[r] = key0 + vkeys[r] < seq_len ? __ldg(p) : make_uint4(0, 0, 0, 0);
+        st.v[r] = key0 + vkeys[r] < seq_len ? load_once(p, policy) : make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -138,19 +156,18 @@ fp8_paged_decode(const bf16_t* __restrict__ Q, const uint8_t* __restrict__ Kc, c
     const int voff[4] = {2 * t * stride_kvs + 16 * g, (2 * t + 1) * stride_kvs + 16 * g,
                           (2 * t + 8) * stride_kvs + 16 * g, (2 * t + 9) * stride_kvs + 16 * g};
     const int steps = (seq_len + STEP - 1) / STEP;
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#pragma unroll
+    for (int i = 1; i < PREFETCH; ++i)  // the loop prefetches from step warp + PREFETCH * WARPS on
+        if (warp + i * WARPS < steps) prefetch_step(K, V, table, warp + i * WARPS, stride_kvb, stride_kvs, lane);
     StepLoad cur, nxt;
     int s = warp;
-    if (s < steps) load_step(cur, K, V, table, s, seq_len, stride_kvb, stride_kvs, koff, voff, lane);
+    if (s < steps) load_step(cur, K, V, table, s, seq_len, stride_kvb, stride_kvs, koff, voff, lane, policy);
     for (; s < steps; s += WARPS) {
-        if (s + WARPS < steps) load_step(nxt, K, V, table, s + WARPS, seq_len, stride_kvb, stride_kvs, koff, voff, lane);
-#if PREFETCH > 0
-        if (s + PREFETCH * WARPS < steps) {  // lanes 0-15: the 16 keys' K lines (128 bytes each), 16-31: V's
-            const int key = (s + PREFETCH * WARPS) * STEP + (lane & 15);
-            const uint8_t* line = (lane < 16 ? K : V) + (long)table[key / BLOCK_SIZE] * stride_kvb
-                                  + (long)(key % BLOCK_SIZE) * stride_kvs;
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(line));
-        }
-#endif
+        if (s + WARPS < steps) load_step(nxt, K, V, table, s + WARPS, seq_len, stride_kvb, stride_kvs, koff, voff, lane, policy);
+        if (PREFETCH > 0 && s + PREFETCH * WARPS < steps)
+            prefetch_step(K, V, table, s + PREFETCH * WARPS, stride_kvb, stride_kvs, lane);
         // S = Q K^T over two n-tiles of 8 keys
         float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         float sc_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // odd k-steps: two chains of 4, not one of 8
