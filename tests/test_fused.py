@@ -56,6 +56,16 @@ def test_gumbel_argmax_samples_the_softmax(which):
     assert freq[3] == 0  # a dropped (-inf) token is never drawn
     assert (freq - want).abs().max() < 0.05, (freq, want)  # ~3 standard errors at 800 draws
 
+    # candidates in every quarter of a 1024-column tile: on the GPU, columns c and c + 256 take two
+    # outputs of one Philox call, which must be independent (equal logits: ~50 % each)
+    spread = torch.full((1, 1024), float("-inf"))
+    cols = torch.tensor([5, 261, 517, 773, 1000])
+    spread[0, cols] = torch.tensor([1.0, 1.0, 0.0, 2.0, 1.5])
+    freq = _softmax_frequencies(sampler, spread, 1.0, 800)
+    want = torch.softmax(spread, dim=-1)[0]
+    assert abs(float(freq[cols].sum()) - 1) < 1e-6  # never a -inf column
+    assert (freq[cols] - want[cols]).abs().max() < 0.05, (freq[cols], want[cols])
+
 
 def test_gumbel_argmax_greedy_rows_and_noise_keys():
     torch.manual_seed(0)

@@ -155,31 +155,55 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 
 @triton.jit
 def _gumbel_argmax(Logits, stride, InvT, Seeds, Noisy, PartVal, PartIdx, V, per_split,
-                   BLOCK: tl.constexpr):
-    """Program (row, split): the best of ``logits * inv_t + gumbel`` over one slice of the vocabulary.
-    The noise at column c is a function of (row seed, c) only, so it does not depend on the split."""
+                   BLOCK: tl.constexpr, ASM_LOG: tl.constexpr):
+    """Program (row, split): the best of ``logits * inv_t + gumbel`` over one slice of the vocabulary,
+    in base 2 (argmax(log2(e) * (x + g)) is the same token, and -log2(-log2 u) is log2(e) * g up to a
+    constant). The noise is the row's hash of the column alone, so it does not depend on the split: one
+    Philox call gives four uniforms, for columns a quarter tile apart. Philox and the two logs are the
+    whole cost (the logits are read once), hence rand4x and lg2.approx (ASM_LOG: on the GPU; tl.log2 is
+    libdevice's exact log2f, ~20 instructions and branches), not rand and the exact log."""
     row = tl.program_id(0)
     split = tl.program_id(1)
-    inv_t = tl.load(InvT + row)
+    Q: tl.constexpr = BLOCK // 4
+    scale = tl.load(InvT + row) * 1.4426950408889634
     seed = tl.load(Seeds + row)
     noisy = tl.load(Noisy + row) != 0
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK], tl.int32)
+    x_row = Logits + row * stride
+    best = tl.full([Q], float("-inf"), tl.float32)
+    best_i = tl.zeros([Q], tl.int32)
     lo = split * per_split
     hi = tl.minimum(V, lo + per_split)
-    for start in range(lo, hi, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < hi
-        x = tl.load(Logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        if noisy:
-            u = tl.rand(seed, cols)  # [0, 1): -log(u) > 0, and u = 0 gives -inf (never chosen)
-            x = x - tl.log(-tl.log(u))
-        better = x > best  # strict: within a lane the first of equal values wins, as in torch.argmax
-        best = tl.where(better, x, best)
-        best_i = tl.where(better, cols, best_i)
+    lanes = tl.arange(0, Q)
+    for start in range(lo, hi, BLOCK):  # start is a multiple of BLOCK: counters start/4 + lane are its own
+        u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lanes)
+        best, best_i = _noisy_best(x_row, start + lanes, hi, scale, noisy, u0, best, best_i, ASM_LOG)
+        best, best_i = _noisy_best(x_row, start + Q + lanes, hi, scale, noisy, u1, best, best_i, ASM_LOG)
+        best, best_i = _noisy_best(x_row, start + 2 * Q + lanes, hi, scale, noisy, u2, best, best_i, ASM_LOG)
+        best, best_i = _noisy_best(x_row, start + 3 * Q + lanes, hi, scale, noisy, u3, best, best_i, ASM_LOG)
     m = tl.max(best, 0)
     tl.store(PartVal + row * tl.num_programs(1) + split, m)
     tl.store(PartIdx + row * tl.num_programs(1) + split, tl.min(tl.where(best == m, best_i, V), 0))
+
+
+@triton.jit
+def _noisy_best(x_row, cols, hi, scale, noisy, u, best, best_i, ASM_LOG: tl.constexpr):
+    """Fold columns ``cols`` into each lane's running best. A lane sees its columns in increasing order
+    and only a strictly larger value replaces its best: the first of equal values wins, as in torch.argmax.
+    u = 0 gives -inf (never chosen); -log2(u) > 0 otherwise."""
+    x = tl.load(x_row + cols, mask=cols < hi, other=float("-inf")).to(tl.float32) * scale
+    x = tl.where(noisy, x - _log2(-_log2(u, ASM_LOG), ASM_LOG), x)
+    better = x > best
+    return tl.where(better, x, best), tl.where(better, cols, best_i)
+
+
+@triton.jit
+def _log2(x, ASM: tl.constexpr):
+    """log2, as one MUFU instruction where ASM (relative error ~2^-22, far below what a sample can show;
+    the interpreter has no PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.log2(x)
 
 
 @functools.cache
@@ -202,6 +226,6 @@ def gumbel_argmax(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: to
     part_val = torch.empty((n, splits), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((n, splits), dtype=torch.int32, device=logits.device)
     _gumbel_argmax[(n, splits)](logits, logits.stride(0), inv_temperature, seeds, noisy, part_val, part_idx,
-                                v, per_split, BLOCK=block)
+                                v, per_split, BLOCK=block, ASM_LOG=logits.is_cuda)
     # the first split holding the row's maximum: the smallest index among equal maxima, like torch.argmax
     return part_idx.gather(1, part_val.argmax(1, keepdim=True)).squeeze(1).long()
