@@ -1,6 +1,6 @@
 """Correctness on the GPU: the Triton attention path (fused q/k norm + rotary + K/V store, paged
-attention) against the torch reference on real shapes in bf16, and the engine's greedy tokens with both
-backends.  python benchmarks/gpu_check.py"""
+attention) against the torch reference on real shapes in bf16, the CUDA GEMV, the Gumbel sampler's draws
+against the softmax, and the engine's greedy tokens with both backends.  python benchmarks/gpu_check.py"""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def main() -> None:
                 rerr = read_path_error(h, kvh, d, bs, ql, cl, kv_dtype, be)
                 print(f"  read path only, {label}: rel err {rerr:.2e} {'OK' if rerr < 1e-2 else 'FAIL'}")
     check_gemv()
+    check_sampler()
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     agreement("bf16, one request at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params), params)
@@ -113,6 +114,32 @@ def check_gemv() -> None:
         ok = err < 1e-2 and torch.equal(res, want_res)
         print(f"CUDA GEMV with RMSNorm{' + residual' if has_res else ''} [{n} x {k}]: rel err {err:.2e}, "
               f"residual {'equal' if torch.equal(res, want_res) else 'DIFFERS'} {'OK' if ok else 'FAIL'}")
+
+
+def check_sampler() -> None:
+    """The Gumbel sampler at Qwen3's vocabulary: 8192 draws of one row against its softmax (the noise of
+    the GPU's kernel: Philox, four columns a call, lg2.approx), a split of the vocabulary that must not
+    change any draw, and greedy rows that must be the argmax."""
+    dev = torch.device("cuda")
+    v, n = 151936, 8192
+    logits = torch.full((v,), float("-inf"), device=dev)
+    cols = torch.tensor([7, 263, 519, 775, 1031, 90000, 151935], device=dev)  # every quarter of a tile, far ones
+    logits[cols] = torch.tensor([1.0, 1.0, 0.0, 2.0, 1.5, 0.5, 1.0], device=dev)
+    x = logits.to(torch.bfloat16).repeat(n, 1)
+    inv_t, seeds = torch.full((n,), 1 / 0.8, device=dev), torch.arange(n, device=dev) * 7919 + 3
+    noisy = torch.ones(n, dtype=torch.bool, device=dev)
+    tokens = fused.gumbel_argmax(x, inv_t, seeds, noisy)
+    freq = torch.bincount(tokens, minlength=v).float() / n
+    want = torch.softmax(logits * 1.25, dim=0)
+    dev_max = (freq[cols] - want[cols]).abs().max().item()  # 3 standard errors at 8192 draws: ~0.017
+    same_split = torch.equal(fused.gumbel_argmax(x, inv_t, seeds, noisy, num_sms=1), tokens)
+    r = torch.randn((64, v), device=dev, dtype=torch.bfloat16)
+    greedy = torch.equal(fused.gumbel_argmax(r, torch.ones(64, device=dev), seeds[:64],
+                                               torch.zeros(64, dtype=torch.bool, device=dev)),
+                         r.argmax(1))
+    ok = dev_max < 0.02 and abs(freq[cols].sum().item() - 1) < 1e-6 and same_split and greedy
+    print(f"Gumbel sampler [{n} x {v}]: max |frequency - softmax| {dev_max:.4f}, split-invariant {same_split}, "
+          f"greedy rows = argmax {greedy} {'OK' if ok else 'FAIL'}")
 
 
 def gemv_runs(prompts, params) -> tuple[list, list]:
