@@ -1,4 +1,6 @@
-"""Host time to turn a decode step into arrays (ModelRunner.prepare), which the GPU waits for.
+"""Host time of a step, which must stay below the GPU's for the one step in flight to hide it: turning a
+decode step into arrays (ModelRunner.prepare), then every phase of whole engine steps at 512 running
+requests (scheduling, inputs, sampling parameters, the update, the frontend).
 
 python benchmarks/host_prepare.py   (CPU is enough: it times Python and numpy only)
 """
@@ -7,7 +9,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -38,5 +43,53 @@ def main() -> None:
         print(f"{n:4d} decodes at context ~1200: prepare {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms per step")
 
 
+def engine_steps(n: int = 512, steps: int = 100) -> None:
+    """Decode steps of ``n`` requests on the tiny model (temperature 0.6, as the throughput benchmark
+    samples), each host phase timed by wrapping it; the model's forward and the CPU sampler are the
+    device's work on a GPU, so they are reported but not counted as host time."""
+    import pagedserve.model.runner as runner_mod
+    from pagedserve.outputs import RequestOutputKind
+
+    llm = LLM("tiny", max_model_len=2048, max_num_seqs=n, max_num_batched_tokens=16384, enforce_eager=True)
+    engine, times = llm.engine, defaultdict(float)
+
+    def timed(owner, name, key):
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[key] += time.perf_counter() - t0
+        setattr(owner, name, wrapper)
+
+    core = engine.core
+    for owner, name, key in ((core.scheduler, "schedule", "schedule"), (core.runner, "prepare", "inputs"),
+                             (core.runner, "_sampling_batch", "sampling parameters"),
+                             (core.scheduler, "update_from_output", "update"), (engine.outputs, "process", "frontend"),
+                             (core.runner, "forward", "device: model (CPU)"), (runner_mod, "sample", "device: sampler (CPU)")):
+        timed(owner, name, key)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        engine.add_request(str(i), rng.integers(0, 200, 64).tolist(),
+                           SamplingParams(temperature=0.6, max_tokens=steps + 40, ignore_eos=True),
+                           RequestOutputKind.FINAL_ONLY)
+    for _ in range(20):  # past the prefills
+        engine.step()
+    assert core.last_stats.num_decode_tokens == n and core.last_stats.num_prefill_tokens == 0
+    times.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = (time.perf_counter() - t0) / steps * 1e3
+    print(f"\n{n} decodes a step, tiny model, mean of {steps} steps:")
+    for key, t in times.items():
+        print(f"  {key:<24} {t / steps * 1e3:7.3f} ms")
+    device = sum(t for key, t in times.items() if key.startswith("device")) / steps * 1e3
+    print(f"host per step: {total - device:.2f} ms (the step {total:.2f} ms less the device's work)")
+
+
 if __name__ == "__main__":
     main()
+    engine_steps()
