@@ -49,6 +49,34 @@ def triton_variants() -> dict[str, set]:
             for mod in (fused, triton_attention) for name, fn in vars(mod).items() if isinstance(fn, JITFunction)}
 
 
+def log_step_times(core) -> list[tuple[float, int, int]]:
+    """(time its tokens arrived, prefill tokens, decode tokens) of every step the core collects. With one
+    step in flight the gap between two arrivals is the device time of the later step, plus any time the
+    device waited for the host: where the wall time goes, by kind of step."""
+    log: list[tuple[float, int, int]] = []
+    collect = core._collect
+
+    def timed(sched, pending):
+        out = collect(sched, pending)
+        log.append((time.perf_counter(), sched.num_prefill_tokens, sched.num_decode_tokens))
+        return out
+
+    core._collect = timed
+    return log
+
+
+def summarize_steps(log: list[tuple[float, int, int]]) -> dict:
+    """Wall seconds in steps with prompt tokens and in decode-only steps (the first step has no gap)."""
+    gaps = [(t1 - t0, pre, dec) for (t0, _, _), (t1, pre, dec) in zip(log, log[1:])]
+    mixed = [g for g in gaps if g[1]]
+    decode = [g for g in gaps if not g[1]]
+    full = max((g[2] for g in decode), default=0)
+    return {"prefill_steps": len(mixed), "prefill_step_seconds": sum(g[0] for g in mixed),
+            "decode_steps": len(decode), "decode_step_seconds": sum(g[0] for g in decode),
+            "decode_batch_mean": float(np.mean([g[2] for g in decode])) if decode else 0.0,
+            "decode_ms_at_full_batch": 1e3 * float(np.median([g[0] for g in decode if g[2] == full])) if decode else 0.0}
+
+
 def run_ours(model, prompts, outs, ns) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, load_format="auto" if Path(model).is_dir() else "dummy", dtype="bfloat16",
@@ -61,6 +89,7 @@ def run_ours(model, prompts, outs, ns) -> dict:
     core = llm.engine.core
     pre, steps0 = core.counters.num_preemptions, core.counters.num_steps
     before = triton_variants()
+    steps = log_step_times(core)
     t0 = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
@@ -74,7 +103,8 @@ def run_ours(model, prompts, outs, ns) -> dict:
            "total_tok_per_s": (tokens + sum(map(len, prompts))) / dt, "init_seconds": init,
            "steps": core.counters.num_steps - steps0, "preemptions": core.counters.num_preemptions - pre,
            "kv_cache_tokens": budget.kv_tokens, "peak_memory_gib": core.runner.device_memory()[1] / 2**30,
-           "kernel_variants_compiled_in_run": {k: len(v) for k, v in compiled.items() if v}}
+           "kernel_variants_compiled_in_run": {k: len(v) for k, v in compiled.items() if v},
+           **summarize_steps(steps)}
     del llm, core
     torch.cuda.empty_cache()
     return out
@@ -160,6 +190,10 @@ def main() -> None:
     print(f"{ns.model}: {ns.num_seqs} requests, {ours['output_tokens']} output tokens in {ours['seconds']:.2f} s = "
           f"{ours['output_tok_per_s']:.0f} output tok/s ({ours['steps']} steps, {ours['preemptions']} preemptions, "
           f"KV cache {ours['kv_cache_tokens']} tokens, peak {ours['peak_memory_gib']:.1f} GiB)")
+    print(f"  steps with prompt tokens: {ours['prefill_steps']} taking {ours['prefill_step_seconds']:.2f} s; "
+          f"decode-only: {ours['decode_steps']} taking {ours['decode_step_seconds']:.2f} s "
+          f"({ours['decode_batch_mean']:.0f} requests a step on average; median "
+          f"{ours['decode_ms_at_full_batch']:.2f} ms a step at the largest batch)")
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(results, indent=2))
 
