@@ -3,6 +3,7 @@ tensors, runs the forward pass and samples."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import logging
@@ -89,12 +90,26 @@ class StepInputs:
         return bool((self.query_lens == 1).all()) and len(self.sample_rows) == len(self.query_lens)
 
 
+def _freeze_imported_heap() -> None:
+    """Take what the process holds before an engine starts (imported modules: torch, Triton, the
+    tokenizers; ~300k objects) out of the garbage collector's view, or every full collection walks it
+    again while a step waits. On the H200 such collections stalled an 8B run's device for 100-150 ms
+    every ~370 steps; on the CPU one took 285 ms. The engine's own objects stay collectable, so a process
+    that drops one engine and starts another gets its memory back. At exit they are handed back, so that
+    the interpreter's last collection frees them (nanobind, under Triton, reports what it does not)."""
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however many engines start
+    atexit.register(gc.unfreeze)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, port: int | None = None):
         self.config = config
         self.device = config.device
         self.block_size = config.block_size
         self.tp_size = config.args.tensor_parallel_size
+        _freeze_imported_heap()
         self._workers = self._start_group(rank, port)
         on_cuda = self.device.type == "cuda"
         if on_cuda:
