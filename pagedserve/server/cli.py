@@ -54,7 +54,8 @@ def build_server(ns: argparse.Namespace):
     """The engine, the app and a configured uvicorn server (not yet running)."""
     from pagedserve.cli import engine_args_from
     from pagedserve.errors import ConfigError
-    from pagedserve.server.api import ServerSettings, build_app
+    from pagedserve.server.app import build_app
+    from pagedserve.server.state import ServerSettings
     from pagedserve.server.async_engine import AsyncEngine
 
     if ns.max_num_queued_reqs is not None and ns.max_num_queued_reqs < 1:

@@ -1,0 +1,58 @@
+"""Operations: ``/health``, ``/version``, ``/metrics`` (Prometheus), and ``/tokenize`` / ``/detokenize``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import pagedserve
+from pagedserve.errors import InvalidRequestError
+from pagedserve.server.errors import APIError, error_response
+from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.server.state import ServerState, server_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: ServerState = Depends(server_state)):
+    engine = state.engine
+    if engine.dead is not None:
+        return error_response(APIError(503, f"The engine stopped: {engine.dead!r}", "ServiceUnavailableError"))
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version():
+    return {"version": pagedserve.__version__}
+
+
+@router.get("/metrics")
+async def prometheus(state: ServerState = Depends(server_state)):
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)):
+    state.check_model(body.model)
+    inputs = state.engine.inputs
+    if body.messages is not None:
+        tokens = inputs.apply_chat_template([m.as_dict() for m in body.messages])
+    elif body.prompt is not None:
+        tokens = inputs.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise InvalidRequestError("prompt", "Give either prompt or messages.")
+    return {"count": len(tokens), "max_model_len": state.engine.config.max_model_len, "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(server_state)):
+    state.check_model(body.model)
+    tok = state.engine.inputs.tokenizer
+    if tok is None:
+        raise InvalidRequestError("tokens", "This model runs without a tokenizer.")
+    vocab = state.engine.config.model.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise InvalidRequestError("tokens", f"Token ids must be in [0, {vocab}).")
+    return {"prompt": tok.decode(body.tokens)}
