@@ -92,6 +92,16 @@ class BlockPool:
             parent = hash(key)
         self._hashed[request.request_id] = (max(done, full), parent)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block name (benchmarks reset it between runs, as vLLM's server does).
+        Refused (False) while a request holds blocks: its blocks' names are part of its progress."""
+        if len(self._free) != self.num_blocks:
+            return False
+        self._cached.clear()
+        self._key_of.clear()
+        self._hashed.clear()
+        return True
+
     # ------------------------------------------------------------------ allocation
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,25 @@ class CoreOutput:
 
 
 @dataclass
+class EnginePeaks:
+    """The highest load since the last reset, taken right after each step is scheduled (where running,
+    waiting and KV usage peak), so that a poll of the metrics cannot miss a peak between two polls."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    since: float = field(default_factory=time.time)  # wall-clock time of the last reset
+
+    def observe(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        if num_running > self.num_running:
+            self.num_running = num_running
+        if num_waiting > self.num_waiting:
+            self.num_waiting = num_waiting
+        if kv_cache_usage > self.kv_cache_usage:
+            self.kv_cache_usage = kv_cache_usage
+
+
+@dataclass
 class EngineCounters:
     """Cumulative counters for metrics (vllm:*_total)."""
 
@@ -69,6 +88,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill)
         self.counters = EngineCounters()
+        self.peaks = EnginePeaks()
         self.last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._in_flight: tuple[SchedulerOutput, PendingSamples | None] | None = None
         for line in budget.report_lines():
@@ -82,6 +102,15 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def reset_peaks(self) -> EnginePeaks:
+        """Start a new peak window (running, waiting, KV usage, device memory); returns the one that ended."""
+        ended = self.peaks
+        sched = self.scheduler
+        self.peaks = EnginePeaks()
+        self.peaks.observe(len(sched.running), len(sched.waiting), self.pool.usage)
+        self.runner.reset_peak_memory()
+        return ended
+
     def abort(self, request_ids) -> list[CoreOutput]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         return [CoreOutput(r.request_id, None, "abort", num_preemptions=r.num_preemptions) for r in finished]
@@ -93,6 +122,7 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """Launch the next step, then return what the step launched before it produced."""
         sched = self.scheduler.schedule()
+        self.peaks.observe(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage)
         self.counters.prefix_cache_queries += sched.prefix_cache_queries
         self.counters.prefix_cache_hits += sched.prefix_cache_hits
         launched = None

@@ -8,7 +8,6 @@ import dataclasses
 import gc
 import logging
 import math
-import resource
 import socket
 import time
 from dataclasses import dataclass
@@ -339,12 +338,28 @@ class ModelRunner:
         return to_device(a, self.device)
 
     def device_memory(self) -> tuple[int, int]:
-        """(bytes in use now, peak bytes) of this engine's device memory (process RSS on CPU)."""
+        """(bytes in use now, peak bytes since the last ``reset_peak_memory``) of this engine's device
+        memory: torch's reserved memory on CUDA, the process's resident memory on CPU."""
         if self.device.type == "cuda":
             return torch.cuda.memory_reserved(self.device), torch.cuda.max_memory_reserved(self.device)
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * resource.getpagesize()
-        return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        status = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key, value, _ = line.split()
+                    status[key] = int(value) * 1024
+        return status["VmRSS:"], status["VmHWM:"]
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak window (Linux resets the resident-memory high-water mark through clear_refs)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:  # not permitted here: the peak stays the process's lifetime peak
+            pass
 
     # ------------------------------------------------------------------ a step
 

@@ -6,9 +6,9 @@ loop. A thread shares the model runner's memory with no serialization of request
 is GIL contention in the Python parts of a step (scheduling, building index arrays), which are small
 next to the forward pass on a GPU.
 
-The frontend talks to the core thread only through ``self._inbox`` (add, abort, set-limits, stop);
-the core thread hands outputs back with ``loop.call_soon_threadsafe``. Only the core thread touches the
-scheduler.
+The frontend talks to the core thread only through ``self._inbox`` (add, abort, a call to run on the
+core, stop); the core thread hands outputs back with ``loop.call_soon_threadsafe``. Only the core thread
+touches the scheduler.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import CoreOutput
+from pagedserve.engine.core import CoreOutput, EngineCore
 from pagedserve.engine.llm_engine import EngineBase
 from pagedserve.engine.request import Request
 from pagedserve.outputs import RequestOutput, RequestOutputKind
@@ -45,9 +46,8 @@ class _Abort:
 
 
 @dataclass
-class _SetLimits:
-    max_num_seqs: int | None
-    max_num_batched_tokens: int | None
+class _Call:
+    fn: Callable[[EngineCore], Any]    # runs on the core thread, between two steps
     done: "asyncio.Future"
 
 
@@ -102,12 +102,11 @@ class AsyncEngine(EngineBase):
                         core.add_request(cmd.request)
                     elif isinstance(cmd, _Abort):
                         outputs.extend(core.abort(cmd.request_ids))
-                    elif isinstance(cmd, _SetLimits):
+                    elif isinstance(cmd, _Call):
                         try:
-                            core.scheduler.set_limits(cmd.max_num_seqs, cmd.max_num_batched_tokens)
-                            result = None
+                            result = (cmd.fn(core), None)
                         except Exception as e:  # noqa: BLE001 - handed back to the caller
-                            result = e
+                            result = (None, e)
                         self._loop.call_soon_threadsafe(_resolve, cmd.done, result)
                 if core.has_unfinished:
                     outputs.extend(core.step())
@@ -134,9 +133,17 @@ class AsyncEngine(EngineBase):
 
     def _fail_all(self, error: BaseException) -> None:
         self.dead = error
+        dead = EngineDeadError(f"The engine stopped: {error!r}")
         for q in self._queues.values():
-            q.put_nowait(EngineDeadError(f"The engine stopped: {error!r}"))
+            q.put_nowait(dead)
         self._queues.clear()
+        while True:  # calls the core thread will never run
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Call):
+                _resolve(cmd.done, (None, dead))
 
     def add(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
         """Admit a request (from ``self.inputs.make_request``, so bad input fails before a response
@@ -173,13 +180,21 @@ class AsyncEngine(EngineBase):
         if self.observer is not None:
             self.observer.aborted(rid)
 
-    async def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
-        """Change the scheduler's step limits at runtime (applied between two steps)."""
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run ``fn(core)`` on the core thread between two steps and return its result (or raise its
+        error): the one way the loop changes the core's state."""
+        if self.dead is not None:
+            raise EngineDeadError(f"The engine stopped: {self.dead!r}")
         done = asyncio.get_running_loop().create_future()
-        self._inbox.put(_SetLimits(max_num_seqs, max_num_batched_tokens, done))
-        error = await done
+        self._inbox.put(_Call(fn, done))
+        result, error = await done
         if error is not None:
             raise error
+        return result
+
+    async def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Change the scheduler's step limits at runtime (applied between two steps)."""
+        await self.call(lambda core: core.scheduler.set_limits(max_num_seqs, max_num_batched_tokens))
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight (graceful shutdown); False on timeout."""
@@ -189,6 +204,6 @@ class AsyncEngine(EngineBase):
         return not self._queues
 
 
-def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future, result: tuple[Any, BaseException | None]) -> None:
     if not fut.done():
-        fut.set_result(error)
+        fut.set_result(result)
