@@ -13,10 +13,13 @@ from fastapi import FastAPI, Request
 import pagedserve
 from pagedserve.server.async_engine import AsyncEngine
 from pagedserve.server.errors import APIError, error_response, install_handlers
-from pagedserve.server.routes import openai, ops
+from pagedserve.server.routes import admin, openai, ops
 from pagedserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
+
+# open without --api-key: liveness probes and Prometheus scrapers do not carry the key
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 
 async def log_stats(state: ServerState) -> None:
@@ -59,7 +62,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
-        if settings.api_key and request.url.path.startswith("/v1"):
+        if settings.api_key and request.url.path not in PUBLIC_PATHS:
             header = request.headers.get("authorization", "")
             given = header[7:] if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
@@ -69,4 +72,5 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app.include_router(openai.router)
     app.include_router(ops.router)
+    app.include_router(admin.router)
     return app

@@ -40,7 +40,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="Name(s) clients use in the 'model' field (default: the model argument).")
-    s.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 paths.")
+    s.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics.")
     s.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="Most requests in flight (waiting + running); more get HTTP 503 with Retry-After.")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -60,6 +61,8 @@ def build_server(ns: argparse.Namespace):
 
     if ns.max_num_queued_reqs is not None and ns.max_num_queued_reqs < 1:
         raise ConfigError("--max-num-queued-reqs must be at least 1.")
+    if ns.api_key is not None and not ns.api_key.strip():
+        raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without one.")
     if not 0 < ns.port < 65536:
         raise ConfigError(f"--port {ns.port} is not a TCP port.")
     config = engine_args_from(ns).create_config()

@@ -19,6 +19,37 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 
+class NvmlMemory:
+    """The device's used memory as NVML (and ``nvidia-smi``) report it: every process and the CUDA
+    context, not only torch's allocations. None where NVML or the driver is missing."""
+
+    def __init__(self, device):
+        self.handle = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+            import torch
+
+            pynvml.nvmlInit()
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            try:
+                self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            except pynvml.NVMLError:  # an older torch or driver: fall back to the ordinal
+                self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            self._info = pynvml.nvmlDeviceGetMemoryInfo
+        except Exception:  # noqa: BLE001 - no NVML here: the gauge is simply absent
+            self.handle = None
+
+    def used(self) -> int | None:
+        if self.handle is None:
+            return None
+        try:
+            return int(self._info(self.handle).used)
+        except Exception:  # noqa: BLE001
+            return None
+
+
 class _EngineCollector:
     """Reads the engine's state when /metrics is scraped."""
 
@@ -26,6 +57,7 @@ class _EngineCollector:
         self.engine = engine
         self.labels = {"model_name": model_name, "engine": "0"}
         self.server_state = server_state
+        self.nvml = NvmlMemory(engine.config.device)
 
     def _family(self, cls, name, doc, value):
         fam = cls(name, doc, labels=list(self.labels))
@@ -50,7 +82,24 @@ class _EngineCollector:
         yield self._family(g, "pagedserve:device_memory_used_bytes",
                            "Device memory this engine holds now (process RSS on CPU).", in_use)
         yield self._family(g, "pagedserve:device_memory_peak_bytes",
-                           "Peak device memory this engine has held (process peak RSS on CPU).", peak)
+                           "Peak device memory this engine has held since the last peak reset (process peak "
+                           "RSS on CPU).", peak)
+        peaks = core.peaks
+        yield self._family(g, "pagedserve:num_requests_running_peak",
+                           "Most requests running in one step since the last peak reset.", peaks.num_running)
+        yield self._family(g, "pagedserve:num_requests_waiting_peak",
+                           "Most requests waiting after a step was scheduled, since the last peak reset.",
+                           peaks.num_waiting)
+        yield self._family(g, "pagedserve:kv_cache_usage_peak_perc",
+                           "Highest KV-cache usage since the last peak reset; 1 means 100 percent.",
+                           peaks.kv_cache_usage)
+        yield self._family(g, "pagedserve:peaks_reset_timestamp_seconds",
+                           "Unix time of the last peak reset (start-up or POST /admin/reset_peaks).", peaks.since)
+        nvml_used = self.nvml.used()
+        if nvml_used is not None:
+            yield self._family(g, "pagedserve:nvml_device_memory_used_bytes",
+                               "Used memory of the whole device as NVML reports it (what nvidia-smi shows).",
+                               nvml_used)
         yield self._family(g, "pagedserve:num_requests_in_flight",
                            "Requests accepted by the API and not finished.", self.engine.num_in_flight)
         yield self._family(c, "pagedserve:rejected_requests", "Requests refused with 503 (queue full).",
