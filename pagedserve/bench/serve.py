@@ -36,7 +36,7 @@ class BenchConfig:
     seed: int = 0
     num_warmups: int = 1
     api_key: str | None = None
-    scrape_interval: float = 0.5
+    scrape_interval: float = 0.25
     show_progress: bool = True
 
 
@@ -121,29 +121,66 @@ SCRAPED = {
     "vllm:num_requests_waiting": "num_requests_waiting",
     "pagedserve:device_memory_used_bytes": "device_memory_bytes",
     "pagedserve:device_memory_peak_bytes": "device_memory_peak_bytes",
+    "pagedserve:num_requests_running_peak": "num_requests_running_peak",
+    "pagedserve:num_requests_waiting_peak": "num_requests_waiting_peak",
+    "pagedserve:kv_cache_usage_peak_perc": "kv_cache_usage_peak",
+    "pagedserve:nvml_device_memory_used_bytes": "nvml_device_memory_bytes",
 }
+
+# result key -> (exact peak since the window's reset, instantaneous gauge sampled by the poll)
+_PEAKS = {
+    "server_peak_kv_cache_usage": ("kv_cache_usage_peak", "kv_cache_usage"),
+    "server_peak_num_requests_running": ("num_requests_running_peak", "num_requests_running"),
+    "server_peak_num_requests_waiting": ("num_requests_waiting_peak", "num_requests_waiting"),
+    "server_peak_device_memory_bytes": ("device_memory_peak_bytes", "device_memory_bytes"),
+    "server_peak_nvml_device_memory_bytes": (None, "nvml_device_memory_bytes"),
+}
+SERVER_KEYS = ("server_preemptions", *_PEAKS)
 
 
 class MetricsScraper:
-    """Polls /metrics during the run; reports deltas of counters and peaks of gauges."""
+    """Reads the server's /metrics during a run, over a connection of its own (never queued behind the
+    load's streams). A pagedserve server keeps exact peaks over a window that ``begin`` opens; for other
+    servers (vLLM) peaks are the highest of the polled gauges, so the poll is frequent. A failed scrape
+    is counted and the poll goes on; figures nothing was read for are None ("n/a"), never 0."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, interval: float):
-        self.session, self.url, self.interval = session, url, interval
+    def __init__(self, base_url: str, interval: float, headers: dict[str, str]):
+        self.base_url, self.interval, self.headers = base_url, interval, headers
         self.samples: list[dict[str, float]] = []
-        self.available = True
+        self.failures = 0
+        self.last_error = ""
+        self.exact_peaks = False
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "MetricsScraper":
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2),
+                                              timeout=aiohttp.ClientTimeout(total=10), headers=self.headers)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._session.close()
+
+    async def begin(self) -> None:
+        """Open a peak window on the server (if it has one) and take the first sample."""
+        try:
+            async with self._session.post(self.base_url + "/admin/reset_peaks") as resp:
+                self.exact_peaks = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            self.exact_peaks = False
+        await self.scrape()
 
     async def scrape(self) -> None:
         try:
-            async with self.session.get(self.url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self._session.get(self.base_url + "/metrics") as resp:
                 if resp.status != 200:
-                    self.available = False
-                    return
+                    raise ValueError(f"HTTP {resp.status}")
                 self.samples.append(scrape_values(await resp.text(), SCRAPED))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            self.available = False
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            self.failures += 1
+            self.last_error = f"{type(e).__name__}: {e}"
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set() and self.available:
+        while not stop.is_set():
             await self.scrape()
             try:
                 await asyncio.wait_for(stop.wait(), self.interval)
@@ -151,40 +188,45 @@ class MetricsScraper:
                 pass
 
     def summary(self) -> dict:
+        out: dict = {k: None for k in SERVER_KEYS}
+        out.update(server_metrics_scrapes=len(self.samples), server_metrics_scrape_failures=self.failures,
+                   server_peaks_exact=False)
+        if self.failures:
+            out["server_metrics_last_error"] = self.last_error
         if not self.samples:
-            return {}
-        def peak(key):
-            vals = [s[key] for s in self.samples if key in s]
-            return max(vals) if vals else None
+            return out
         first, last = self.samples[0], self.samples[-1]
-        out = {
-            "server_preemptions": (last.get("preemptions", 0) - first.get("preemptions", 0))
-            if "preemptions" in last else None,
-            "server_peak_kv_cache_usage": peak("kv_cache_usage"),
-            "server_peak_num_requests_running": peak("num_requests_running"),
-            "server_peak_num_requests_waiting": peak("num_requests_waiting"),
-            "server_peak_device_memory_bytes": peak("device_memory_peak_bytes") or peak("device_memory_bytes"),
-        }
-        return {k: v for k, v in out.items() if v is not None}
+        if "preemptions" in first and "preemptions" in last:
+            out["server_preemptions"] = last["preemptions"] - first["preemptions"]
+        for key, (exact, sampled) in _PEAKS.items():
+            if self.exact_peaks and exact is not None and exact in last:
+                out[key] = last[exact]
+                out["server_peaks_exact"] = True
+            else:
+                seen = [s[sampled] for s in self.samples if sampled in s]
+                out[key] = max(seen) if seen else None
+        return out
 
 
 async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest], percentiles: list[float],
                         percentile_metrics: list[str], goodput: dict[str, float]) -> dict:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0, force_close=False)
-    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session, \
+            MetricsScraper(cfg.base_url, cfg.scrape_interval, headers) as scraper:
         for _ in range(cfg.num_warmups):
             warm = await send_request(session, cfg, SampleRequest(samples[0].prompt, samples[0].prompt_len,
                                                                   min(16, samples[0].expected_output_len)), 0.0)
             if not warm.success:
                 raise RuntimeError(f"Warm-up request failed: {warm.error}. Is the server up at {cfg.base_url} "
                                    f"and serving model {cfg.model!r}?")
-        scraper = MetricsScraper(session, cfg.base_url + "/metrics", cfg.scrape_interval)
-        await scraper.scrape()
+        await scraper.begin()
         stop = asyncio.Event()
         scrape_task = asyncio.create_task(scraper.run(stop))
         delays = arrival_delays(len(samples), cfg.request_rate, cfg.burstiness, cfg.seed)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        bar = tqdm(total=len(samples), desc="Requests", disable=not cfg.show_progress, dynamic_ncols=True)
+        bar = tqdm(total=len(samples), desc="Requests", disable=not cfg.show_progress, dynamic_ncols=True,
+                   leave=False)
         t0 = time.perf_counter()
 
         async def one(sample: SampleRequest, delay: float) -> RequestResult:
@@ -250,17 +292,20 @@ def format_table(result: dict, percentile_metrics: list[str], percentiles: list[
         row(f"Median {key.upper()} (ms):", f"{result[f'median_{key}_ms']:.2f}")
         for p in percentiles:
             row(f"P{_pct_name(p)} {key.upper()} (ms):", f"{result[f'p{_pct_name(p)}_{key}_ms']:.2f}")
-    if any(k.startswith("server_") for k in result):
-        lines.append("{s:{c}^60}".format(s=" Server (scraped from /metrics) ", c="-"))
-        if "server_preemptions" in result:
-            row("Preemptions during the run:", int(result["server_preemptions"]))
-        if "server_peak_kv_cache_usage" in result:
-            row("Peak KV-cache usage (%):", f"{100 * result['server_peak_kv_cache_usage']:.1f}")
-        if "server_peak_num_requests_running" in result:
-            row("Peak running requests:", int(result["server_peak_num_requests_running"]))
-        if "server_peak_num_requests_waiting" in result:
-            row("Peak waiting requests:", int(result["server_peak_num_requests_waiting"]))
-        if "server_peak_device_memory_bytes" in result:
-            row("Peak device memory (GiB):", f"{result['server_peak_device_memory_bytes'] / 2**30:.2f}")
+    lines.append("{s:{c}^60}".format(s=" Server (scraped from /metrics) ", c="-"))
+    na = "n/a"
+    pre, kv = result["server_preemptions"], result["server_peak_kv_cache_usage"]
+    run, wait = result["server_peak_num_requests_running"], result["server_peak_num_requests_waiting"]
+    mem, nvml = result["server_peak_device_memory_bytes"], result["server_peak_nvml_device_memory_bytes"]
+    row("Preemptions during the run:", na if pre is None else int(pre))
+    row("Peak KV-cache usage (%):", na if kv is None else f"{100 * kv:.1f}")
+    row("Peak running requests:", na if run is None else int(run))
+    row("Peak waiting requests:", na if wait is None else int(wait))
+    row("Peak device memory (GiB):", na if mem is None else f"{mem / 2**30:.2f}")
+    if nvml is not None:
+        row("Peak device memory, NVML (GiB):", f"{nvml / 2**30:.2f}")
+    row("Peaks:", "exact (server)" if result["server_peaks_exact"] else "polled" if result["server_metrics_scrapes"] else na)
+    if result["server_metrics_scrape_failures"]:
+        row("Failed /metrics scrapes:", result["server_metrics_scrape_failures"])
     lines.append("=" * 60)
     return "\n".join(lines)
