@@ -46,6 +46,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S", stream=sys.stderr)
+    for chatty in ("httpx", "matplotlib"):  # a line per HTTP call or font scan drowns our own output
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 DEFAULT_PROMPTS = [
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in results, to re-run them
     setup_logging(getattr(ns, "log_level", "INFO"))
     try:
         ns.func(ns)

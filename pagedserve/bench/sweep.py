@@ -1,0 +1,268 @@
+"""``pagedserve bench sweep``: the staged load test. Raise the load rung by rung (concurrency 1, 2, 4, 8 ...
+or a list of request rates), measure each rung with ``bench serve``'s load generator and metrics, find the
+knee and recommend the highest rung left of it (``pagedserve.bench.knee``).
+
+Each rung: reset the server's prefix cache (so one rung's prompts cannot speed up the next), warm up with
+one round of requests at the rung's load, then measure ``prompts_per_rung`` fresh prompts (``repeats``
+times). The server's own peaks (running, waiting, KV usage, device memory) and preemptions are read from
+its /metrics over exactly that window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+import pagedserve
+from pagedserve.bench.datasets import SampleRequest
+from pagedserve.bench.knee import KneeSettings, find_knee
+from pagedserve.bench.metrics import METRIC_KEYS
+from pagedserve.bench.serve import BenchConfig, run_benchmark
+from pagedserve.errors import ConfigError
+
+PERCENTILES = [50.0, 95.0, 99.0]
+_PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "errors")
+_SUMMED = ("completed", "failed", "num_prompts", "total_input_tokens", "total_output_tokens", "server_preemptions",
+           "server_metrics_scrapes", "server_metrics_scrape_failures")
+
+
+@dataclass
+class SweepPlan:
+    mode: str                          # "concurrency" (closed loop at C in flight) or "rate" (open loop)
+    loads: list[float]
+    prompts_per_rung: int | None = None
+    warmup: bool = True
+    repeats: int = 1
+    reset_prefix_cache: bool = True
+    knee: KneeSettings = field(default_factory=KneeSettings)
+
+    def __post_init__(self) -> None:
+        flag = "--concurrency" if self.mode == "concurrency" else "--request-rates"
+        if not self.loads or any(not x > 0 or math.isinf(x) for x in self.loads):
+            raise ConfigError(f"{flag}: give positive finite values, e.g. 1,2,4,8,16,32.")
+        if self.mode == "concurrency" and any(x != int(x) for x in self.loads):
+            raise ConfigError(f"{flag}: concurrency levels are whole numbers of requests in flight.")
+        if sorted(set(self.loads)) != self.loads:
+            raise ConfigError(f"{flag}: list the levels once each, lowest first (the knee is read left to right).")
+        if self.prompts_per_rung is not None and self.prompts_per_rung < 1:
+            raise ConfigError("--prompts-per-rung must be at least 1.")
+        if self.repeats < 1:
+            raise ConfigError("--repeats must be at least 1.")
+
+    @property
+    def unit(self) -> str:
+        return "concurrency" if self.mode == "concurrency" else "request rate"
+
+    def prompts(self, load: float) -> int:
+        """Measured prompts of a rung: four rounds of C in flight, or ten seconds of arrivals."""
+        if self.prompts_per_rung is not None:
+            return self.prompts_per_rung
+        return max(16, 4 * int(load)) if self.mode == "concurrency" else max(16, math.ceil(10 * load))
+
+    def warmup_prompts(self, load: float) -> int:
+        """One round at the rung's load: every slot of the closed loop once, or a second of arrivals."""
+        return int(load) if self.mode == "concurrency" else min(16, math.ceil(load))
+
+
+@dataclass
+class Target:
+    """Where the load goes and how requests look (``bench serve``'s client settings)."""
+
+    base_url: str
+    model: str
+    endpoint: str = "/v1/completions"
+    api_key: str | None = None
+    ignore_eos: bool = True
+    burstiness: float = 1.0
+    seed: int = 0
+    goodput: dict[str, float] = field(default_factory=dict)
+    show_progress: bool = False
+
+
+def aggregate(repeats: list[dict]) -> dict:
+    """One rung from its repeats: counts summed, peaks maximal, everything else the median."""
+    if len(repeats) == 1:
+        return dict(repeats[0])
+    out = {}
+    for key, first in repeats[0].items():
+        values = [r.get(key) for r in repeats]
+        if isinstance(first, bool) or not isinstance(first, (int, float)) or any(v is None for v in values):
+            out[key] = first
+        elif key in _SUMMED:
+            out[key] = sum(values)
+        elif key.startswith("server_peak_"):
+            out[key] = max(values)
+        else:
+            out[key] = statistics.median(values)
+    return out
+
+
+def _rung_record(result: dict) -> dict:
+    """A ``run_benchmark`` result without its per-request arrays, with its errors counted by message."""
+    record = {k: v for k, v in result.items() if k not in _PER_REQUEST}
+    errors = Counter(e for e in result["errors"] if e)
+    record["error_counts"] = dict(errors.most_common(5))
+    return record
+
+
+async def _reset_prefix_cache(target: Target) -> str:
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), headers=headers) as s:
+            async with s.post(target.base_url + "/reset_prefix_cache") as resp:
+                return {200: "reset", 404: "unsupported", 405: "unsupported"}.get(resp.status, f"HTTP {resp.status}")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return f"{type(e).__name__}"
+
+
+async def run_rung(target: Target, plan: SweepPlan, index: int, load: float,
+                   samples_for: Callable[[int, int], list[SampleRequest]]) -> dict:
+    """Measure one load level (``samples_for(n, seed)`` draws the rung's prompts)."""
+    closed = plan.mode == "concurrency"
+
+    def config(show: bool) -> BenchConfig:
+        return BenchConfig(base_url=target.base_url, endpoint=target.endpoint, model=target.model,
+                           request_rate=math.inf if closed else load, burstiness=target.burstiness,
+                           max_concurrency=int(load) if closed else None, ignore_eos=target.ignore_eos,
+                           seed=target.seed + index, num_warmups=0, api_key=target.api_key, show_progress=show)
+
+    seed = target.seed + 1000 * (index + 1)
+    prefix = await _reset_prefix_cache(target) if plan.reset_prefix_cache else "off"
+    if plan.warmup:
+        warm = await run_benchmark(config(False), samples_for(plan.warmup_prompts(load), seed + 999), [], [], {})
+        if warm["completed"] == 0:
+            raise RuntimeError(f"Every warm-up request of {plan.unit} {load:g} failed "
+                               f"({next((e for e in warm['errors'] if e), '?')}). Is the server up at "
+                               f"{target.base_url} and serving {target.model!r}?")
+    runs = []
+    for rep in range(plan.repeats):
+        result = await run_benchmark(config(target.show_progress), samples_for(plan.prompts(load), seed + rep),
+                                     PERCENTILES, list(METRIC_KEYS), target.goodput)
+        runs.append(_rung_record(result))
+    rung = aggregate(runs)
+    rung.update(load=load, prefix_cache=prefix)
+    if plan.repeats > 1:
+        rung["repeats"] = runs
+    return rung
+
+
+def progress_line(i: int, n: int, unit: str, load: float, r: dict) -> str:
+    def opt(v, fmt):
+        return "n/a" if v is None else fmt(v)
+
+    mem = r.get("server_peak_device_memory_bytes")
+    return (f"[{i + 1}/{n}] {unit} {load:g}: {r['completed']} ok, {r['failed']} failed in {r['duration']:.1f} s | "
+            f"{r['output_throughput']:,.0f} out tok/s | p95 TTFT {r['p95_ttft_ms']:,.0f} ms, ITL {r['p95_itl_ms']:,.1f} ms, "
+            f"E2EL {r['p95_e2el_ms']:,.0f} ms | preemptions {opt(r.get('server_preemptions'), lambda v: f'{v:.0f}')} | "
+            f"peak KV {opt(r.get('server_peak_kv_cache_usage'), lambda v: f'{100 * v:.1f}%')}, running "
+            f"{opt(r.get('server_peak_num_requests_running'), lambda v: f'{v:.0f}')}, waiting "
+            f"{opt(r.get('server_peak_num_requests_waiting'), lambda v: f'{v:.0f}')}, memory "
+            f"{opt(mem, lambda v: f'{v / 2**30:.2f} GiB')}")
+
+
+def run_ladder(target: Target, plan: SweepPlan, samples_for, on_rung: Callable[[list[dict]], None] | None = None,
+               out=sys.stdout) -> dict:
+    """Every rung in order, then the knee; ``on_rung`` sees the rungs so far (to save partial results)."""
+    rungs: list[dict] = []
+    for i, load in enumerate(plan.loads):
+        rung = asyncio.run(run_rung(target, plan, i, load, samples_for))
+        rungs.append(rung)
+        print(progress_line(i, len(plan.loads), plan.unit, load, rung), file=out, flush=True)
+        if on_rung is not None:
+            on_rung(rungs)
+    knee = find_knee(rungs, plan.loads, plan.knee, plan.unit)
+    return {"rungs": rungs, "knee": knee.to_json()}
+
+
+def best_ladder(ladders: list[dict]) -> int | None:
+    """Of the ladders' recommended rungs, the one with the most output throughput."""
+    best, best_thr = None, -1.0
+    for i, lad in enumerate(ladders):
+        rec = lad["knee"]["recommendation"]
+        if rec is not None and lad["rungs"][rec]["output_throughput"] > best_thr:
+            best, best_thr = i, lad["rungs"][rec]["output_throughput"]
+    return best
+
+
+def recommendation(ladders: list[dict], plan: SweepPlan, grid_param: str | None) -> dict | None:
+    i = best_ladder(ladders)
+    if i is None:
+        return None
+    lad = ladders[i]
+    knee = lad["knee"]
+    rung = lad["rungs"][knee["recommendation"]]
+    out = {"ladder": i, "label": lad["label"], plan.mode: knee["recommended_load"], "reason": knee["recommendation_reason"],
+           "output_throughput": rung["output_throughput"], "p95_ttft_ms": rung["p95_ttft_ms"],
+           "p95_itl_ms": rung["p95_itl_ms"], "p95_e2el_ms": rung["p95_e2el_ms"]}
+    if grid_param is not None:
+        out[grid_param] = lad["grid_value"]
+        out["reason"] = (f"{lad['label']} at {plan.unit} {knee['recommended_load']:g} gives the most output throughput of the "
+                         f"grid's recommendations ({rung['output_throughput']:,.0f} tok/s): {knee['recommendation_reason']}")
+    return out
+
+
+def sweep_document(*, command: list[str], target: dict, model: str, plan: SweepPlan, dataset: dict, endpoint: str,
+                   grid: dict | None, ladders: list[dict]) -> dict:
+    """``sweep.json``: the configuration, every rung under vLLM's names, each ladder's knee, the pick."""
+    return {
+        "pagedserve_version": pagedserve.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command,
+        "target": target,
+        "model_id": model,
+        "endpoint": endpoint,
+        "mode": plan.mode,
+        "unit": plan.unit,
+        "loads": plan.loads,
+        "prompts_per_rung": [plan.prompts(x) for x in plan.loads],
+        "warmup": plan.warmup,
+        "repeats": plan.repeats,
+        "reset_prefix_cache": plan.reset_prefix_cache,
+        "dataset": dataset,
+        "slo": plan.knee.slo,
+        "knee_settings": asdict(plan.knee),
+        "grid": grid,
+        "ladders": ladders,
+        "recommendation": recommendation(ladders, plan, grid["param"] if grid else None),
+    }
+
+
+def goodput_of(slo: dict[str, float]) -> dict[str, float]:
+    """Per-request goodput limits (seconds) from the SLO: the tightest limit given for TTFT, TPOT, E2EL."""
+    out: dict[str, float] = {}
+    for key, ms in slo.items():
+        metric = key.split("_")[0]
+        if metric in ("ttft", "tpot", "e2el"):
+            out[metric] = min(out.get(metric, float("inf")), ms / 1000.0)
+    return out
+
+
+def dataset_settings(ns: argparse.Namespace) -> dict:
+    keys = ("dataset_name", "dataset_path", "random_input_len", "random_output_len", "random_range_ratio",
+            "random_prefix_len", "sharegpt_output_len", "custom_output_len", "seed")
+    return {k: getattr(ns, k) for k in keys}
+
+
+def samples_factory(ns: argparse.Namespace, tokenizer) -> Callable[[int, int], list[SampleRequest]]:
+    from pagedserve.bench.datasets import load_dataset
+
+    def draw(n: int, seed: int) -> list[SampleRequest]:
+        return load_dataset(argparse.Namespace(**{**vars(ns), "num_prompts": n, "seed": seed}), tokenizer)
+
+    return draw
+
+
+def result_dir(path: str | None) -> Path:
+    folder = Path(path or f"results/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
