@@ -173,6 +173,26 @@ def resolve_model(model: str, load_format: str) -> ModelSource:
 # Engine arguments
 # --------------------------------------------------------------------------------------------------
 
+def check_step_limits(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                      chunked_prefill: bool) -> None:
+    """The rules a step's two limits obey, at start-up and whenever they change at runtime."""
+    seqs, batched = max_num_seqs, max_num_batched_tokens
+    if not isinstance(seqs, int) or seqs <= 0:
+        raise ConfigError(f"{flag('max_num_seqs')}: {seqs} must be a positive integer.")
+    if not isinstance(batched, int) or batched <= 0:
+        raise ConfigError(f"{flag('max_num_batched_tokens')}: {batched} must be a positive integer.")
+    if batched < seqs:
+        raise ConfigError(
+            f"{flag('max_num_batched_tokens')} ({batched}) must be at least {flag('max_num_seqs')} "
+            f"({seqs}): every running request needs one token of the step's budget to decode. "
+            f"Raise --max-num-batched-tokens or lower --max-num-seqs.")
+    if not chunked_prefill and batched < max_model_len:
+        raise ConfigError(
+            f"{flag('max_num_batched_tokens')} ({batched}) is smaller than {flag('max_model_len')} "
+            f"({max_model_len}) with chunked prefill off: a long prompt could never be scheduled. "
+            f"Raise --max-num-batched-tokens, lower --max-model-len, or pass --enable-chunked-prefill.")
+
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 _KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -256,20 +276,7 @@ class EngineArgs:
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
             max_num_seqs = min(256 if on_cuda else 128, batched)
-        if max_num_seqs <= 0:
-            raise ConfigError(f"{flag('max_num_seqs')}: {max_num_seqs} must be positive.")
-        if batched <= 0:
-            raise ConfigError(f"{flag('max_num_batched_tokens')}: {batched} must be positive.")
-        if batched < max_num_seqs:
-            raise ConfigError(
-                f"{flag('max_num_batched_tokens')} ({batched}) must be at least {flag('max_num_seqs')} "
-                f"({max_num_seqs}): every running request needs one token of the step's budget to decode. "
-                f"Raise --max-num-batched-tokens or lower --max-num-seqs.")
-        if not self.enable_chunked_prefill and batched < max_model_len:
-            raise ConfigError(
-                f"{flag('max_num_batched_tokens')} ({batched}) is smaller than {flag('max_model_len')} "
-                f"({max_model_len}) with chunked prefill off: a long prompt could never be scheduled. "
-                f"Raise --max-num-batched-tokens, lower --max-model-len, or pass --enable-chunked-prefill.")
+        check_step_limits(max_num_seqs, batched, max_model_len, self.enable_chunked_prefill)
 
         kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if kv_cache_memory is not None and kv_cache_memory <= 0:
@@ -346,3 +353,15 @@ class EngineConfig:
     @property
     def blocks_per_max_len_request(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)
+
+    def check_runtime_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Limits a running engine may switch to (degradation profiles): the start-up rules, and never above
+        what start-up sized for (the activation peak was measured at max_num_batched_tokens, the sampler
+        and the CUDA graphs at max_num_seqs)."""
+        check_step_limits(max_num_seqs, max_num_batched_tokens, self.max_model_len, self.enable_chunked_prefill)
+        for name, value, ceiling in (("max_num_seqs", max_num_seqs, self.max_num_seqs),
+                                     ("max_num_batched_tokens", max_num_batched_tokens, self.max_num_batched_tokens)):
+            if value > ceiling:
+                raise ConfigError(f"{flag(name)}: {value} is above the {ceiling} the engine started with, which its "
+                                  f"memory budget was profiled for; restart with --{name.replace('_', '-')} {value} "
+                                  f"to allow it.")

@@ -102,6 +102,14 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Change the step limits between two steps (``None`` keeps one); checked against the start-up budget."""
+        sched = self.scheduler
+        seqs = sched.max_num_seqs if max_num_seqs is None else max_num_seqs
+        tokens = sched.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+        self.config.check_runtime_limits(seqs, tokens)
+        sched.set_limits(seqs, tokens)
+
     def reset_peaks(self) -> EnginePeaks:
         """Start a new peak window (running, waiting, KV usage, device memory); returns the one that ended."""
         ended = self.peaks

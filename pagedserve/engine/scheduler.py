@@ -19,7 +19,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.config import ConfigError, flag
 from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.request import Request, RequestStatus
 
@@ -74,17 +73,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
 
-    def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
-        """Change the step limits at runtime (degradation profiles). Running requests are never dropped:
-        above a lowered ``max_num_seqs`` no new request is admitted until enough finish."""
-        seqs = self.max_num_seqs if max_num_seqs is None else max_num_seqs
-        tokens = self.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
-        if seqs < 1 or tokens < seqs:
-            raise ConfigError(f"{flag('max_num_batched_tokens')} ({tokens}) must be >= {flag('max_num_seqs')} ({seqs}) >= 1.")
-        if not self.enable_chunked_prefill and tokens < self.max_model_len:
-            raise ConfigError(f"{flag('max_num_batched_tokens')} ({tokens}) must be >= max_model_len "
-                              f"({self.max_model_len}) with chunked prefill off.")
-        self.max_num_seqs, self.max_num_batched_tokens = seqs, tokens
+    def set_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """New step limits from the next step on (the engine core validates them). Running requests are
+        never dropped: above a lowered ``max_num_seqs`` no new request is admitted until enough finish."""
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
 
     # ------------------------------------------------------------------ requests in and out
 

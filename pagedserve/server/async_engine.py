@@ -59,6 +59,9 @@ class AsyncEngine(EngineBase):
         super().__init__(config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
+        # prompt tokens of admitted requests that have no output yet (waiting or prefilling)
+        self._unstarted: dict[str, int] = {}
+        self.queued_prompt_tokens = 0
         self.observer = None  # optional: .observe(results) after each step, .aborted(request_id)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -123,6 +126,7 @@ class AsyncEngine(EngineBase):
         if to_abort:
             self._inbox.put(_Abort(to_abort))
         for res in results:
+            self._started(res.request_id)
             q = self._queues.get(res.request_id)
             if q is not None:
                 q.put_nowait(res)
@@ -137,6 +141,8 @@ class AsyncEngine(EngineBase):
         for q in self._queues.values():
             q.put_nowait(dead)
         self._queues.clear()
+        self._unstarted.clear()
+        self.queued_prompt_tokens = 0
         while True:  # calls the core thread will never run
             try:
                 cmd = self._inbox.get_nowait()
@@ -155,6 +161,8 @@ class AsyncEngine(EngineBase):
             raise EngineDeadError(f"The engine stopped: {self.dead!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = q
+        self._unstarted[request.request_id] = request.num_prompt_tokens
+        self.queued_prompt_tokens += request.num_prompt_tokens
         self.outputs.add(request, text, RequestOutputKind.DELTA)
         self._inbox.put(_Add(request))
         return self._stream(request.request_id, q)
@@ -172,9 +180,16 @@ class AsyncEngine(EngineBase):
             if not finished:
                 self._abort(rid)
 
+    def _started(self, rid: str) -> None:
+        """The request has produced output (or ended): its prompt no longer waits."""
+        n = self._unstarted.pop(rid, None)
+        if n is not None:
+            self.queued_prompt_tokens -= n
+
     def _abort(self, rid: str) -> None:
         if self._queues.pop(rid, None) is None:
             return
+        self._started(rid)
         self.outputs.abort(rid)
         self._inbox.put(_Abort([rid]))
         if self.observer is not None:
@@ -194,7 +209,7 @@ class AsyncEngine(EngineBase):
 
     async def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         """Change the scheduler's step limits at runtime (applied between two steps)."""
-        await self.call(lambda core: core.scheduler.set_limits(max_num_seqs, max_num_batched_tokens))
+        await self.call(lambda core: core.set_limits(max_num_seqs, max_num_batched_tokens))
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight (graceful shutdown); False on timeout."""
