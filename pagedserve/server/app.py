@@ -46,10 +46,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        stats_task = asyncio.create_task(log_stats(state)) if settings.log_stats_interval > 0 else None
+        tasks = []
+        if settings.log_stats_interval > 0:
+            tasks.append(asyncio.create_task(log_stats(state)))
+        if state.degradation is not None:
+            await state.degradation.start()
+            tasks.append(asyncio.create_task(state.degradation.run()))
         yield
-        if stats_task is not None:
-            stats_task.cancel()
+        for task in tasks:
+            task.cancel()
         if not await engine.wait_idle(settings.shutdown_timeout):
             logger.warning("shutdown: %d requests still in flight after %.0f s", engine.num_in_flight,
                            settings.shutdown_timeout)

@@ -44,6 +44,12 @@ def add_serve_parser(sub) -> None:
                    help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics.")
     s.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="Most requests in flight (waiting + running); more get HTTP 503 with Retry-After.")
+    s.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="Most prompt tokens of requests not yet started (waiting or prefilling); more get 503. "
+                        "vLLM's advice: the TTFT target times the measured prefill throughput.")
+    s.add_argument("--profiles", default=None,
+                   help="A degradation profiles file (YAML, as `pagedserve tune` writes): start in normal, "
+                        "switch to protect when a trigger fires and back when it clears.")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="On SIGTERM, seconds to let in-flight requests finish before exiting.")
     s.add_argument("--log-level", default="INFO")
@@ -59,17 +65,28 @@ def build_server(ns: argparse.Namespace):
     from pagedserve.server.state import ServerSettings
     from pagedserve.server.async_engine import AsyncEngine
 
-    if ns.max_num_queued_reqs is not None and ns.max_num_queued_reqs < 1:
-        raise ConfigError("--max-num-queued-reqs must be at least 1.")
+    for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        if getattr(ns, name) is not None and getattr(ns, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1.")
+    profiles = None
+    if ns.profiles is not None:
+        from pagedserve.tune.profiles import load_profiles
+
+        profiles = load_profiles(ns.profiles)
     if ns.api_key is not None and not ns.api_key.strip():
         raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without one.")
     if not 0 < ns.port < 65536:
         raise ConfigError(f"--port {ns.port} is not a TCP port.")
     config = engine_args_from(ns).create_config()
+    if profiles is not None:
+        from pagedserve.tune.profiles import check_against_engine
+
+        check_against_engine(profiles, config)  # before the model loads: a bad file fails in a second
     engine = AsyncEngine(config)
     settings = ServerSettings(served_model_names=ns.served_model_name or [ns.model], api_key=ns.api_key,
-                              max_num_queued_reqs=ns.max_num_queued_reqs, shutdown_timeout=ns.shutdown_timeout,
-                              log_stats_interval=0.0 if ns.disable_log_stats else 10.0)
+                              max_num_queued_reqs=ns.max_num_queued_reqs,
+                              max_num_queued_tokens=ns.max_num_queued_tokens, shutdown_timeout=ns.shutdown_timeout,
+                              log_stats_interval=0.0 if ns.disable_log_stats else 10.0, profiles=profiles)
     app = build_app(engine, settings)
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
                                timeout_graceful_shutdown=int(ns.shutdown_timeout), access_log=False)

@@ -102,8 +102,28 @@ class _EngineCollector:
                                nvml_used)
         yield self._family(g, "pagedserve:num_requests_in_flight",
                            "Requests accepted by the API and not finished.", self.engine.num_in_flight)
-        yield self._family(c, "pagedserve:rejected_requests", "Requests refused with 503 (queue full).",
-                           self.server_state.rejected)
+        rejected = CounterMetricFamily("pagedserve:rejected_requests",
+                                       "Requests refused with 503 at the entrance, by the limit they met.",
+                                       labels=[*self.labels, "limit"])
+        for limit, n in self.server_state.rejected.items():
+            rejected.add_metric([*self.labels.values(), limit], n)
+        yield rejected
+        deg = self.server_state.degradation
+        if deg is not None:
+            active = GaugeMetricFamily("pagedserve:profile_active", "1 for the degradation profile in force.",
+                                       labels=[*self.labels, "profile"])
+            switches = CounterMetricFamily("pagedserve:profile_switches",
+                                           "Switches between degradation profiles, by the profile switched to.",
+                                           labels=[*self.labels, "profile"])
+            for name in deg.spec.profiles:
+                active.add_metric([*self.labels.values(), name], float(name == deg.controller.active))
+                switches.add_metric([*self.labels.values(), name], deg.switches.get(name, 0))
+            yield active
+            yield switches
+            if deg.window.long_prompt_tokens is not None:
+                yield self._family(c, "pagedserve:long_prompts",
+                                   f"Prompts over {deg.window.long_prompt_tokens} tokens that arrived (admitted or not).",
+                                   deg.window.long_prompts_total)
         success = CounterMetricFamily("vllm:request_success", "Finished requests by reason.",
                                       labels=[*self.labels, "finished_reason"])
         for reason, n in self.server_state.finished.items():
@@ -121,7 +141,9 @@ class ServerMetrics:
     def __init__(self, engine, model_name: str):
         self.registry = CollectorRegistry()
         self.finished: dict[str, int] = {}
-        self.rejected = 0
+        self.rejected: dict[str, int] = {}   # by the ingress limit that refused them
+        self.degradation = None               # the profile switcher, when the server has profiles
+        self.window = None                    # its signal window: fed TTFTs and ITLs as they happen
         self.registry.register(_EngineCollector(engine, model_name, self))
         labels = ["model_name"]
         self._labels = (model_name,)
@@ -142,11 +164,17 @@ class ServerMetrics:
             new = bool(res.outputs[0].token_ids)
             prev = self._last_token.get(res.request_id)
             if new and prev is None:
-                self.ttft.observe(m.first_token_time - m.arrival_time)
+                ttft = m.first_token_time - m.arrival_time
+                self.ttft.observe(ttft)
+                if self.window is not None:
+                    self.window.ttft(m.first_token_time, ttft)
                 if m.first_scheduled_time is not None:
                     self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
             elif new:
-                self.itl.observe(m.last_token_time - prev)
+                itl = m.last_token_time - prev
+                self.itl.observe(itl)
+                if self.window is not None:
+                    self.window.itl(m.last_token_time, itl)
             if new:
                 self._last_token[res.request_id] = m.last_token_time
             if res.finished:

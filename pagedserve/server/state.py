@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -13,14 +13,72 @@ from pagedserve.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.server.errors import APIError, unavailable
 from pagedserve.server.metrics import ServerMetrics
 
+INGRESS_LIMITS = ("max_num_queued_reqs", "max_num_queued_tokens", "max_input_tokens")
+
 
 @dataclass
 class ServerSettings:
     served_model_names: list[str]
     api_key: str | None = None
     max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
     shutdown_timeout: float = 30.0
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0: off
+    profiles: object | None = None    # a validated ProfilesFile (pagedserve.tune.profiles)
+
+
+class Admission:
+    """The entrance's limits: requests in flight, prompt tokens still waiting, prompt length. With
+    degradation profiles the active profile sets them (a limit a profile leaves out falls back to the
+    server flag); without, the flags do. A request past a limit that some profile would let it through
+    gets 503 with Retry-After (it may succeed later); past every profile's limit, 400 (it never can)."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, settings: ServerSettings):
+        self.engine, self.metrics = engine, metrics
+        self.defaults = {"max_num_queued_reqs": settings.max_num_queued_reqs,
+                         "max_num_queued_tokens": settings.max_num_queued_tokens, "max_input_tokens": None}
+        self.limits = dict(self.defaults)
+        self.profile: str | None = None
+        self.retry_after: Callable[[], float] = lambda: 1.0
+        spec = settings.profiles
+        sets = [self._resolve(p.live_limits()) for p in spec.profiles.values()] if spec else [self.defaults]
+        # the loosest value of each limit over every profile (None: some profile sets no limit)
+        self.ceilings = {k: None if any(s[k] is None for s in sets) else max(s[k] for s in sets) for k in INGRESS_LIMITS}
+
+    def _resolve(self, limits: dict) -> dict:
+        return {k: self.defaults[k] if limits.get(k) is None else limits[k] for k in INGRESS_LIMITS}
+
+    def apply(self, name: str, limits: dict) -> None:
+        self.profile, self.limits = name, self._resolve(limits)
+
+    def _refuse(self, limit: str, n: int, own: int, detail: str) -> None:
+        """``own``: what this call alone asks of the limit; past the loosest profile's value it is a 400."""
+        ceiling = self.ceilings[limit]
+        if ceiling is not None and own > ceiling:
+            raise APIError(400, f"{detail}, but this server never admits more than {ceiling} ({limit}); "
+                                f"it can never be served here.", "BadRequestError", "prompt")
+        where = f"the active profile '{self.profile}'" if self.profile else f"--{limit.replace('_', '-')}"
+        self.metrics.rejected[limit] = self.metrics.rejected.get(limit, 0) + n
+        raise unavailable(f"{detail}, over the limit of {self.limits[limit]} that {where} sets ({limit}); "
+                          f"retry later.", retry_after=round(self.retry_after()))
+
+    def check(self, prompt_lens: list[int]) -> None:
+        """Raise unless every prompt of one API call may enter now."""
+        if self.engine.dead is not None:
+            raise EngineDeadError(f"The engine stopped: {self.engine.dead!r}")
+        n, lim, engine = len(prompt_lens), self.limits, self.engine
+        longest, tokens = max(prompt_lens), sum(prompt_lens)
+        if lim["max_input_tokens"] is not None and longest > lim["max_input_tokens"]:
+            self._refuse("max_input_tokens", n, longest, f"A prompt of {longest} tokens")
+        q = lim["max_num_queued_reqs"]
+        if q is not None and engine.num_in_flight + n > q:
+            self._refuse("max_num_queued_reqs", n, n, f"This call carries {n} prompts" if n > q else
+                         f"{engine.num_in_flight} requests are in flight and this call adds {n}")
+        qt = lim["max_num_queued_tokens"]
+        if qt is not None and engine.queued_prompt_tokens + tokens > qt:
+            self._refuse("max_num_queued_tokens", n, tokens, f"This call's prompts hold {tokens} tokens"
+                         if tokens > qt else f"{engine.queued_prompt_tokens} prompt tokens wait and this call "
+                                             f"adds {tokens}")
 
 
 class ServerState:
@@ -29,27 +87,27 @@ class ServerState:
         self.served = settings.served_model_names
         self.metrics = ServerMetrics(engine, self.served[0])
         engine.observer = self.metrics
+        self.admission = Admission(engine, self.metrics, settings)
+        self.degradation = None
+        if settings.profiles is not None:
+            from pagedserve.server.degradation import Degradation
+
+            self.degradation = Degradation(settings.profiles, self)
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.served:
-            raise APIError(400, f"The model `{name}` does not exist. Served: {', '.join(self.served)}.",
+            raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.served)}.",
                            "NotFoundError", "model")
         return name or self.served[0]
 
-    def admit(self, n: int) -> None:
-        limit = self.settings.max_num_queued_reqs
-        if limit is not None and self.engine.num_in_flight + n > limit:
-            self.metrics.rejected += n
-            raise unavailable(f"The server is at its limit of {limit} requests in flight "
-                              f"(--max-num-queued-reqs); retry later.")
-        if self.engine.dead is not None:
-            raise EngineDeadError(f"The engine stopped: {self.engine.dead!r}")
-
     def start(self, base_id: str, prompts: list, params) -> list[AsyncIterator[RequestOutput]]:
-        """Validate every prompt before starting any, so a bad one rejects the whole call cleanly."""
+        """Validate every prompt and admit the call as a whole before starting any of its requests."""
         made = [self.engine.inputs.make_request(f"{base_id}-{i}", p, dataclasses.replace(params))
                 for i, p in enumerate(prompts)]
-        self.admit(len(made))
+        lens = [req.num_prompt_tokens for req, _ in made]
+        if self.degradation is not None:
+            self.degradation.window.arrived(lens)
+        self.admission.check(lens)
         return [self.engine.add(req, text) for req, text in made]
 
 
