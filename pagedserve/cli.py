@@ -14,7 +14,7 @@ import time
 import typing
 
 from pagedserve.config import EngineArgs
-from pagedserve.errors import ConfigError, InvalidRequestError
+from pagedserve.errors import BenchmarkError, ConfigError, InvalidRequestError
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
@@ -41,6 +41,22 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def engine_flags(args: EngineArgs) -> list[str]:
+    """The command-line flags that give ``args`` (those that differ from the defaults), for a server that a
+    command starts with the engine it was asked about."""
+    flags = []
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(args, f.name)
+        if f.name == "model" or value == f.default:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(name if value else "--no-" + name[2:])
+        else:
+            flags += [name, str(value)]
+    return flags
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -115,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, InvalidRequestError) as e:
         print(f"pagedserve {ns.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BenchmarkError as e:  # the load test could not run against the server
+        print(f"pagedserve {ns.command}: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
 

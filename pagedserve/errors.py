@@ -1,4 +1,5 @@
-"""The two kinds of user error: a configuration the engine cannot run, and a request it cannot take."""
+"""User-facing errors: a configuration the engine cannot run, a request it cannot take, and a benchmark that
+could not run against its server."""
 
 
 class ConfigError(ValueError):
@@ -12,3 +13,8 @@ class InvalidRequestError(ValueError):
     def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
+
+
+class BenchmarkError(RuntimeError):
+    """A load test that could not run (its server refused every warm-up request, or went away); the
+    message says what was seen and where partial results are."""

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import math
-import sys
 from pathlib import Path
 
 from pagedserve.errors import ConfigError
@@ -34,23 +33,6 @@ def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: boo
                             "Without one, random prompts are sent as token ids.")
 
 
-def _client_tokenizer(ns):
-    from pathlib import Path as P
-
-    from pagedserve.model.tiny import TINY_MODEL_NAMES, ensure_tiny_model
-
-    path = ns.tokenizer or ns.model
-    if path in TINY_MODEL_NAMES:
-        path = str(ensure_tiny_model())
-    if path and (P(path) / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
-    if ns.tokenizer:
-        raise ConfigError(f"--tokenizer {ns.tokenizer!r} is not a tokenizer folder.")
-    return None
-
-
 def _save(ns, result: dict, default_name: str) -> None:
     if not (ns.save_result or ns.result_filename or ns.result_dir):
         return
@@ -62,9 +44,9 @@ def _save(ns, result: dict, default_name: str) -> None:
 
 
 def cmd_bench_serve(ns: argparse.Namespace) -> None:
-    from pagedserve.bench.datasets import load_dataset
+    from pagedserve.bench.datasets import client_tokenizer, load_dataset
     from pagedserve.bench.metrics import METRIC_KEYS, parse_goodput
-    from pagedserve.bench.serve import BenchConfig, format_table, run_benchmark
+    from pagedserve.bench.serve import BenchConfig, format_table, run_benchmark, served_model
 
     if ns.num_prompts < 1:
         raise ConfigError("--num-prompts must be at least 1.")
@@ -84,131 +66,43 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ConfigError("--metric-percentiles must be in [0, 100].")
     base = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
-    model = ns.model or _served_model(base, ns.api_key)
+    model = ns.model or served_model(base, ns.api_key)
     ns.model = model
-    samples = load_dataset(ns, _client_tokenizer(ns))
+    samples = load_dataset(ns, client_tokenizer(ns.tokenizer, ns.model))
     cfg = BenchConfig(base_url=base, endpoint=ns.endpoint, model=model, request_rate=ns.request_rate,
                       burstiness=ns.burstiness, max_concurrency=ns.max_concurrency,
                       ignore_eos=ns.ignore_eos or ns.dataset_name == "random", seed=ns.seed,
                       num_warmups=ns.num_warmups, api_key=ns.api_key, show_progress=not ns.disable_tqdm)
-    try:
-        result = asyncio.run(run_benchmark(cfg, samples, percentiles, pct_metrics, goodput))
-    except RuntimeError as e:
-        print(f"pagedserve bench serve: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    result = asyncio.run(run_benchmark(cfg, samples, percentiles, pct_metrics, goodput))
     print(format_table(result, pct_metrics, percentiles))
     rate = "inf" if math.isinf(ns.request_rate) else f"{ns.request_rate:g}"
     conc = f"-concurrency{ns.max_concurrency}" if ns.max_concurrency else ""
     _save(ns, result, f"openai-{rate}qps{conc}-{model.split('/')[-1]}-{result['date']}.json")
 
 
-def _served_model(base: str, api_key: str | None) -> str:
-    import httpx
-
-    try:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        return httpx.get(f"{base}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"No --model given and {base}/v1/models did not name one ({e}).") from e
-
-
-def _float_list(text: str, flag: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: give comma-separated numbers, e.g. 1,2,4,8,16,32.") from None
-
-
-def _grid(text: str | None) -> tuple[str, list[str]] | None:
-    """``"max_num_seqs=8,16,32"`` -> ("max_num_seqs", ["8", "16", "32"]): one server flag, several values."""
-    if text is None:
-        return None
-    name, sep, values = text.partition("=")
-    name = name.strip().lstrip("-").replace("-", "_")
-    vals = [v.strip() for v in values.split(",") if v.strip()]
-    if not sep or not name or not vals:
-        raise ConfigError(f"--grid {text!r}: use FLAG=V1,V2,... with one `pagedserve serve` flag, e.g. max_num_seqs=16,32,64.")
-    return name, vals
-
-
 def cmd_bench_sweep(ns: argparse.Namespace) -> None:
-    from pagedserve.bench.knee import KneeSettings, parse_slo
-    from pagedserve.bench.launch import LocalServer, check_serve_flags, serve_flags, with_flag
-    from pagedserve.bench.report import write_artefacts
-    from pagedserve.bench.sweep import (SweepPlan, Target, dataset_settings, goodput_of, result_dir, run_ladder,
-                                        samples_factory, sweep_document)
+    from pagedserve.bench.launch import check_serve_flags, serve_flags, with_flag
+    from pagedserve.bench.serve import served_model
+    from pagedserve.bench.sweep import parse_grid, plan_from, result_dir, run_sweep
 
-    if ns.request_rates is not None and ns.concurrency is not None:
-        raise ConfigError("Give --concurrency or --request-rates, not both: one ladder varies one thing.")
-    rates = ns.request_rates is not None
-    loads = _float_list(ns.request_rates if rates else ns.concurrency or "1,2,4,8,16,32",
-                        "--request-rates" if rates else "--concurrency")
-    slo = parse_slo(ns.slo)
-    signals = tuple(x.strip() for x in ns.knee_signals.split(",") if x.strip())
-    plan = SweepPlan("rate" if rates else "concurrency", loads, ns.prompts_per_rung, ns.warmup, ns.repeats,
-                     ns.reset_prefix_cache,
-                     KneeSettings(ns.knee_min_gain, ns.knee_latency_factor, ns.knee_kv_usage, ns.knee_max_failure_rate,
-                                  slo, signals))
+    plan = plan_from(ns)
     external = ns.base_url is not None or ns.host is not None or ns.port is not None
-    grid = _grid(ns.grid)
+    grid = parse_grid(ns.grid)
     if external and (ns.serve_args or grid):
         raise ConfigError("--serve-args and --grid start servers of the sweep's own; they cannot be used with "
                           "--base-url/--host/--port (a server that is already running).")
     if not external and ns.model is None:
         raise ConfigError("Give --base-url (or --host/--port) of a running server, or --model to start one.")
     flags = serve_flags(ns.serve_args)
-    runs = [(f"{grid[0]}={v}", v, with_flag(flags, grid[0], v)) for v in grid[1]] if grid else [("server", None, flags)]
-    if not external:
-        for _, _, server_flags in runs:
-            check_serve_flags(ns.model, server_flags)
-        target_doc = {"command": ["pagedserve", "serve", ns.model, *flags]}
-    else:
+    if external:
         base = (ns.base_url or f"http://{ns.host or '127.0.0.1'}:{ns.port or 8000}").rstrip("/")
-        ns.model = ns.model or _served_model(base, ns.api_key)
-        target_doc = {"base_url": base}
-    folder = result_dir(ns.result_dir)
-    tokenizer = _client_tokenizer(ns)
-    ladders: list[dict] = []
-
-    def document() -> dict:
-        return sweep_document(command=["pagedserve", *ns.argv], target=target_doc, model=ns.model, plan=plan,
-                              dataset=dataset_settings(ns), endpoint=ns.endpoint,
-                              grid={"param": grid[0], "values": grid[1]} if grid else None, ladders=ladders)
-
-    def save_partial(label: str, rungs: list[dict]) -> None:
-        (folder / "sweep.json").write_text(json.dumps({**document(), "in_progress": {"label": label, "rungs": rungs}},
-                                                      indent=2))
-
-    def ladder(base_url: str, label: str, value: str | None, extra: dict) -> None:
-        target = Target(base_url, ns.model, ns.endpoint, ns.api_key, ns.ignore_eos or ns.dataset_name == "random",
-                        ns.burstiness, ns.seed, goodput_of(slo), show_progress=not ns.disable_tqdm)
-        result = run_ladder(target, plan, samples_factory(ns, tokenizer), lambda rungs: save_partial(label, rungs))
-        ladders.append({"label": label, "grid_value": value, **extra, **result})
-        if grid:
-            print(f"{label}: {result['knee']['reason']}\n{label}: {result['knee']['recommendation_reason']}", flush=True)
-        write_artefacts(document(), folder)
-
-    print(f"Sweep: {plan.unit} {', '.join(f'{x:g}' for x in loads)}; results in {folder}", flush=True)
-    try:
-        if external:
-            ladder(target_doc["base_url"], "server", None, {})
-        for label, value, server_flags in ([] if external else runs):
-            log = folder / (f"server-{grid[0]}-{value}.log" if grid else "server.log")
-            server = LocalServer(ns.model, server_flags, log, ns.server_start_timeout)
-            print(f"Starting `{' '.join(server.command)}` (log: {log})", flush=True)
-            with server:
-                ladder(server.base_url, label, value, {"server_command": server.command, "server_log": log.name})
-            ladders[-1]["server_exit_code"] = server.exit_code
-    except RuntimeError as e:  # the load could not run (warm-up failed): keep what was measured, say why
-        print(f"pagedserve bench sweep: error: {e} Results so far are in {folder}.", file=sys.stderr)
-        sys.exit(1)
-    paths = write_artefacts(document(), folder)
-    doc = document()
-    for lad in doc["ladders"] if not grid else ():
-        print(lad["knee"]["reason"])
-    rec = doc["recommendation"]
-    print(f"Recommendation: {rec['reason'] if rec else 'none. ' + doc['ladders'][-1]['knee']['recommendation_reason']}")
-    print("Wrote " + ", ".join(str(p) for p in paths))
+        ns.model = ns.model or served_model(base, ns.api_key)
+        run_sweep(ns, plan, result_dir(ns.result_dir), base_url=base)
+        return
+    runs = [(f"{grid[0]}={v}", v, with_flag(flags, grid[0], v)) for v in grid[1]] if grid else [("server", None, flags)]
+    for _, _, server_flags in runs:
+        check_serve_flags(ns.model, server_flags)
+    run_sweep(ns, plan, result_dir(ns.result_dir), serve_flags=flags, runs=runs, grid=grid)
 
 
 def cmd_bench_throughput(ns: argparse.Namespace) -> None:
@@ -232,6 +126,59 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> None:
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(result, indent=2))
         print(f"Saved the result to {ns.output_json}")
+
+
+def cmd_bench_quality(ns: argparse.Namespace) -> None:
+    import dataclasses
+
+    from pagedserve.bench.quality import run_quality
+    from pagedserve.cli import engine_args_from
+
+    result = run_quality(engine_args_from(ns), ns.reference_kv_cache_dtype, ns.num_prompts, ns.max_tokens,
+                         ns.top_logprobs, ns.min_agreement, ns.max_logprob_diff)
+    print(result.text())
+    if ns.output_json:
+        Path(ns.output_json).write_text(json.dumps(dataclasses.asdict(result), indent=2))
+        print(f"Saved the result to {ns.output_json}")
+    if not result.passed:
+        raise SystemExit(1)  # scripts can gate a profile's fp8 step on it
+
+
+def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
+    """The workload, the ladder and the knee: flags `bench sweep` and `tune` share (``client``: the sweep's
+    own --seed and --tokenizer; tune has the engine's)."""
+    p.add_argument("--server-start-timeout", type=float, default=900.0, help="Seconds to wait for /health.")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    _add_dataset_args(p, client=client, num_prompts=False)
+    lad = p.add_argument_group("ladder")
+    lad.add_argument("--concurrency", default=None,
+                     help="Requests in flight per rung (closed loop, --request-rate inf --max-concurrency C); "
+                          "default 1,2,4,8,16,32.")
+    lad.add_argument("--request-rates", default=None, help="Or an open-loop ladder of request rates, e.g. 1,2,4,8.")
+    lad.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrivals for --request-rates.")
+    lad.add_argument("--prompts-per-rung", type=int, default=None,
+                     help="Measured prompts per rung (default: max(16, 4C), or max(16, 10R) for rates).")
+    lad.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                     help="One unmeasured round of requests at each rung's load first.")
+    lad.add_argument("--repeats", type=int, default=1, help="Measure each rung this many times (medians).")
+    lad.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                     help="POST /reset_prefix_cache before each rung, where the server has it.")
+    lad.add_argument("--ignore-eos", action="store_true", help="Always on for the random dataset.")
+    k = p.add_argument_group("knee and recommendation")
+    k.add_argument("--slo", nargs="+", default=None,
+                   help="Limits in ms a recommended rung must meet, e.g. ttft_p95=500 itl_p95=50 e2el_p99=10000.")
+    k.add_argument("--knee-min-gain", type=float, default=0.10,
+                   help="Knee when output throughput grows less than this per doubling of the load.")
+    k.add_argument("--knee-latency-factor", type=float, default=3.0,
+                   help="Knee when p95 TTFT, ITL or E2EL exceeds this multiple of the lowest rung's (for metrics "
+                        "without an --slo).")
+    k.add_argument("--knee-kv-usage", type=float, default=0.90, help="Knee when peak KV-cache usage reaches this.")
+    k.add_argument("--knee-max-failure-rate", type=float, default=0.0,
+                   help="Knee when more than this fraction of a rung's requests fail.")
+    k.add_argument("--knee-signals", default="throughput,latency,preemption,kv_cache,failures,slo",
+                   help="Signals that can place the knee (kneedle too, if listed).")
+    p.add_argument("--result-dir", default=None, help="Where the artefacts go (default results/<command>-DATE).")
+    p.add_argument("--disable-tqdm", action="store_true")
 
 
 def add_bench_parser(sub) -> None:
@@ -277,39 +224,26 @@ def add_bench_parser(sub) -> None:
     g.add_argument("--grid", default=None,
                    help="Repeat the ladder for each value of one server flag, e.g. max_num_seqs=16,32,64 (one "
                         "variable at a time).")
-    g.add_argument("--server-start-timeout", type=float, default=900.0, help="Seconds to wait for /health.")
-    g.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     g.add_argument("--api-key", default=None)
-    _add_dataset_args(w, client=True, num_prompts=False)
-    lad = w.add_argument_group("ladder")
-    lad.add_argument("--concurrency", default=None,
-                     help="Requests in flight per rung (closed loop, --request-rate inf --max-concurrency C); "
-                          "default 1,2,4,8,16,32.")
-    lad.add_argument("--request-rates", default=None, help="Or an open-loop ladder of request rates, e.g. 1,2,4,8.")
-    lad.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrivals for --request-rates.")
-    lad.add_argument("--prompts-per-rung", type=int, default=None,
-                     help="Measured prompts per rung (default: max(16, 4C), or max(16, 10R) for rates).")
-    lad.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                     help="One unmeasured round of requests at each rung's load first.")
-    lad.add_argument("--repeats", type=int, default=1, help="Measure each rung this many times (medians).")
-    lad.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                     help="POST /reset_prefix_cache before each rung, where the server has it.")
-    lad.add_argument("--ignore-eos", action="store_true", help="Always on for the random dataset.")
-    k = w.add_argument_group("knee and recommendation")
-    k.add_argument("--slo", nargs="+", default=None,
-                   help="Limits in ms a recommended rung must meet, e.g. ttft_p95=500 itl_p95=50 e2el_p99=10000.")
-    k.add_argument("--knee-min-gain", type=float, default=0.10,
-                   help="Knee when output throughput grows less than this per doubling of the load.")
-    k.add_argument("--knee-latency-factor", type=float, default=3.0,
-                   help="Knee when p95 TTFT, ITL or E2EL exceeds this multiple of the lowest rung's.")
-    k.add_argument("--knee-kv-usage", type=float, default=0.90, help="Knee when peak KV-cache usage reaches this.")
-    k.add_argument("--knee-max-failure-rate", type=float, default=0.0,
-                   help="Knee when more than this fraction of a rung's requests fail.")
-    k.add_argument("--knee-signals", default="throughput,latency,preemption,kv_cache,failures,slo",
-                   help="Signals that can place the knee (kneedle too, if listed).")
-    w.add_argument("--result-dir", default=None, help="Where the artefacts go (default results/sweep-DATE).")
-    w.add_argument("--disable-tqdm", action="store_true")
+    add_ladder_args(w)
     w.set_defaults(func=cmd_bench_sweep)
+
+    q = bsub.add_parser("quality", help="Compare greedy tokens and logprobs of a cheaper KV cache (fp8) with the "
+                                        "16-bit one on fixed prompts, and give a verdict.")
+    add_engine_args(q)
+    q.set_defaults(kv_cache_dtype="fp8")
+    g = q.add_argument_group("quality check")
+    g.add_argument("--reference-kv-cache-dtype", default="auto", help="The cache to compare against (auto: the "
+                                                                      "model's dtype).")
+    g.add_argument("--num-prompts", type=int, default=16)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--top-logprobs", type=int, default=5)
+    g.add_argument("--min-agreement", type=float, default=0.90,
+                   help="Pass needs at least this share of each completion identical before the first divergence.")
+    g.add_argument("--max-logprob-diff", type=float, default=0.05,
+                   help="Pass needs the mean |Δ logprob| of the chosen tokens at or below this.")
+    g.add_argument("--output-json", default=None)
+    q.set_defaults(func=cmd_bench_quality)
 
     t = bsub.add_parser("throughput", help="Offline batch throughput with the in-process engine.")
     add_engine_args(t, positional_model=False)

@@ -23,6 +23,23 @@ class SampleRequest:
     expected_output_len: int
 
 
+def client_tokenizer(tokenizer: str | None, model: str | None):
+    """The tokenizer a benchmark client counts and makes text prompts with: ``tokenizer``, else the model
+    if it is a local folder (or the built-in tiny model); None when there is none (token-id prompts)."""
+    from pagedserve.model.tiny import TINY_MODEL_NAMES, ensure_tiny_model
+
+    path = tokenizer or model
+    if path in TINY_MODEL_NAMES:
+        path = str(ensure_tiny_model())
+    if path and (Path(path) / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    if tokenizer:
+        raise ConfigError(f"--tokenizer {tokenizer!r} is not a tokenizer folder.")
+    return None
+
+
 def _lengths(rng: np.random.Generator, mean: int, ratio: float, n: int, minimum: int) -> np.ndarray:
     """Integers uniform in [floor(mean(1-r)), ceil(mean(1+r))], at least ``minimum``."""
     low, high = math.floor(mean * (1 - ratio)), math.ceil(mean * (1 + ratio))

@@ -90,8 +90,10 @@ def summary_markdown(doc: dict) -> str:
         if len(doc["ladders"]) > 1:
             lines += [f"## {ladder['label']}", ""]
         knee = ladder["knee"]
-        lines += [knee["reason"], "", knee["recommendation_reason"], "",
-                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += [knee["reason"], ""]
+        if len(doc["ladders"]) > 1:  # with one ladder its recommendation is the one above
+            lines += [knee["recommendation_reason"], ""]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in table_rows(doc, ladder)]
         lines.append("")
     if len(doc["ladders"]) > 1:

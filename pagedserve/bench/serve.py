@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.bench.datasets import SampleRequest
 from pagedserve.bench.metrics import RequestResult, calculate_metrics, scrape_values
+from pagedserve.errors import BenchmarkError
 
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 
@@ -218,8 +219,8 @@ async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest], percenti
             warm = await send_request(session, cfg, SampleRequest(samples[0].prompt, samples[0].prompt_len,
                                                                   min(16, samples[0].expected_output_len)), 0.0)
             if not warm.success:
-                raise RuntimeError(f"Warm-up request failed: {warm.error}. Is the server up at {cfg.base_url} "
-                                   f"and serving model {cfg.model!r}?")
+                raise BenchmarkError(f"Warm-up request failed: {warm.error}. Is the server up at {cfg.base_url} "
+                                     f"and serving model {cfg.model!r}?")
         await scraper.begin()
         stop = asyncio.Event()
         scrape_task = asyncio.create_task(scraper.run(stop))
@@ -263,6 +264,19 @@ async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest], percenti
         "errors": [r.error for r in results],
     }
     return out
+
+
+def served_model(base: str, api_key: str | None) -> str:
+    """The first model a server lists (the name to send when the user gave none)."""
+    import httpx
+
+    from pagedserve.errors import ConfigError
+
+    try:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        return httpx.get(f"{base}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"No --model given and {base}/v1/models did not name one ({e}).") from e
 
 
 def format_table(result: dict, percentile_metrics: list[str], percentiles: list[float]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import statistics
 import sys
@@ -25,15 +26,16 @@ import aiohttp
 
 import pagedserve
 from pagedserve.bench.datasets import SampleRequest
-from pagedserve.bench.knee import KneeSettings, find_knee
+from pagedserve.bench.knee import KneeSettings, find_knee, parse_slo
 from pagedserve.bench.metrics import METRIC_KEYS
 from pagedserve.bench.serve import BenchConfig, run_benchmark
-from pagedserve.errors import ConfigError
+from pagedserve.errors import BenchmarkError, ConfigError
 
 PERCENTILES = [50.0, 95.0, 99.0]
 _PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "errors")
 _SUMMED = ("completed", "failed", "num_prompts", "total_input_tokens", "total_output_tokens", "server_preemptions",
            "server_metrics_scrapes", "server_metrics_scrape_failures")
+_MAXED = ("max_input_len",)
 
 
 @dataclass
@@ -100,7 +102,7 @@ def aggregate(repeats: list[dict]) -> dict:
             out[key] = first
         elif key in _SUMMED:
             out[key] = sum(values)
-        elif key.startswith("server_peak_"):
+        elif key.startswith("server_peak_") or key in _MAXED:
             out[key] = max(values)
         else:
             out[key] = statistics.median(values)
@@ -112,6 +114,7 @@ def _rung_record(result: dict) -> dict:
     record = {k: v for k, v in result.items() if k not in _PER_REQUEST}
     errors = Counter(e for e in result["errors"] if e)
     record["error_counts"] = dict(errors.most_common(5))
+    record["max_input_len"] = max(result["input_lens"], default=0)
     return record
 
 
@@ -141,7 +144,7 @@ async def run_rung(target: Target, plan: SweepPlan, index: int, load: float,
     if plan.warmup:
         warm = await run_benchmark(config(False), samples_for(plan.warmup_prompts(load), seed + 999), [], [], {})
         if warm["completed"] == 0:
-            raise RuntimeError(f"Every warm-up request of {plan.unit} {load:g} failed "
+            raise BenchmarkError(f"Every warm-up request of {plan.unit} {load:g} failed "
                                f"({next((e for e in warm['errors'] if e), '?')}). Is the server up at "
                                f"{target.base_url} and serving {target.model!r}?")
     runs = []
@@ -262,7 +265,100 @@ def samples_factory(ns: argparse.Namespace, tokenizer) -> Callable[[int, int], l
     return draw
 
 
-def result_dir(path: str | None) -> Path:
-    folder = Path(path or f"results/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+def result_dir(path: str | None, command: str = "sweep") -> Path:
+    folder = Path(path or f"results/{command}-{time.strftime('%Y%m%d-%H%M%S')}")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give comma-separated numbers, e.g. 1,2,4,8,16,32.") from None
+
+
+def parse_grid(text: str | None) -> tuple[str, list[str]] | None:
+    """``"max_num_seqs=8,16,32"`` -> ("max_num_seqs", ["8", "16", "32"]): one server flag, several values."""
+    if text is None:
+        return None
+    name, sep, values = text.partition("=")
+    name = name.strip().lstrip("-").replace("-", "_")
+    vals = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not name or not vals:
+        raise ConfigError(f"--grid {text!r}: use FLAG=V1,V2,... with one `pagedserve serve` flag, e.g. "
+                          f"max_num_seqs=16,32,64.")
+    return name, vals
+
+
+def plan_from(ns: argparse.Namespace) -> SweepPlan:
+    """The ladder and knee settings from the flags `bench sweep` and `tune` share."""
+    if ns.request_rates is not None and ns.concurrency is not None:
+        raise ConfigError("Give --concurrency or --request-rates, not both: one ladder varies one thing.")
+    rates = ns.request_rates is not None
+    loads = _float_list(ns.request_rates if rates else ns.concurrency or "1,2,4,8,16,32",
+                        "--request-rates" if rates else "--concurrency")
+    signals = tuple(x.strip() for x in ns.knee_signals.split(",") if x.strip())
+    knee = KneeSettings(ns.knee_min_gain, ns.knee_latency_factor, ns.knee_kv_usage, ns.knee_max_failure_rate,
+                        parse_slo(ns.slo), signals)
+    return SweepPlan("rate" if rates else "concurrency", loads, ns.prompts_per_rung, ns.warmup, ns.repeats,
+                     ns.reset_prefix_cache, knee)
+
+
+def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url: str | None = None,
+              serve_flags: list[str] = (), runs: list[tuple[str, str | None, list[str]]] = (),
+              grid: tuple[str, list[str]] | None = None, out=sys.stdout) -> dict:
+    """One ladder against ``base_url``, or one per ``runs`` entry (label, grid value, serve flags) against a
+    server started for it. sweep.json is rewritten after every rung and every artefact after every ladder,
+    so a sweep cut short keeps what it measured. Returns sweep.json's document."""
+    from pagedserve.bench.datasets import client_tokenizer
+    from pagedserve.bench.launch import LocalServer
+    from pagedserve.bench.report import write_artefacts
+
+    target_doc = {"base_url": base_url} if base_url else {"command": ["pagedserve", "serve", ns.model, *serve_flags]}
+    draw = samples_factory(ns, client_tokenizer(ns.tokenizer, ns.model))
+    goodput = goodput_of(plan.knee.slo)
+    ladders: list[dict] = []
+
+    def document() -> dict:
+        return sweep_document(command=["pagedserve", *ns.argv], target=target_doc, model=ns.model, plan=plan,
+                              dataset=dataset_settings(ns), endpoint=ns.endpoint,
+                              grid={"param": grid[0], "values": grid[1]} if grid else None, ladders=ladders)
+
+    def ladder(url: str, label: str, value: str | None, extra: dict) -> None:
+        target = Target(url, ns.model, ns.endpoint, ns.api_key, ns.ignore_eos or ns.dataset_name == "random",
+                        ns.burstiness, ns.seed, goodput, show_progress=not ns.disable_tqdm)
+
+        def save_partial(rungs: list[dict]) -> None:
+            doc = {**document(), "in_progress": {"label": label, "rungs": rungs}}
+            (folder / "sweep.json").write_text(json.dumps(doc, indent=2))
+
+        result = run_ladder(target, plan, draw, save_partial, out)
+        ladders.append({"label": label, "grid_value": value, **extra, **result})
+        if grid:
+            print(f"{label}: {result['knee']['reason']}\n{label}: {result['knee']['recommendation_reason']}",
+                  file=out, flush=True)
+        write_artefacts(document(), folder)
+
+    print(f"Sweep: {plan.unit} {', '.join(f'{x:g}' for x in plan.loads)}; results in {folder}", file=out, flush=True)
+    try:
+        if base_url:
+            ladder(base_url, "server", None, {})
+        for label, value, flags in runs:
+            log = folder / (f"server-{grid[0]}-{value}.log" if grid else "server.log")
+            server = LocalServer(ns.model, flags, log, ns.server_start_timeout)
+            print(f"Starting `{' '.join(server.command)}` (log: {log})", file=out, flush=True)
+            with server:
+                ladder(server.base_url, label, value, {"server_command": server.command, "server_log": log.name})
+            ladders[-1]["server_exit_code"] = server.exit_code
+    except BenchmarkError as e:  # keep what was measured, say why it stopped
+        raise BenchmarkError(f"{e} Results so far are in {folder}.") from e
+    doc = document()
+    paths = write_artefacts(doc, folder)
+    for lad in doc["ladders"] if not grid else ():
+        print(lad["knee"]["reason"], file=out)
+    rec = doc["recommendation"]
+    print(f"Recommendation: {rec['reason'] if rec else 'none. ' + doc['ladders'][-1]['knee']['recommendation_reason']}",
+          file=out)
+    print("Wrote " + ", ".join(str(p) for p in paths), file=out, flush=True)
+    return doc

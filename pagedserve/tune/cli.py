@@ -1,4 +1,4 @@
-"""``pagedserve plan`` and ``pagedserve diagnose``."""
+"""``pagedserve plan``, ``pagedserve diagnose`` and ``pagedserve tune``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,69 @@ def cmd_diagnose(ns: argparse.Namespace) -> None:
     print(json.dumps(dataclasses.asdict(result), indent=2) if ns.json else result.text())
 
 
+def memory_plan(args, config) -> tuple[str, str]:
+    """(device name, the planner's table) for the device this engine will run on."""
+    import dataclasses as dc
+
+    from pagedserve.memory import GiB
+    from pagedserve.tune.plan import make_plan
+
+    if config.device.type == "cuda":
+        import torch
+
+        total = torch.cuda.mem_get_info(config.device)[1]
+        plan = make_plan(args, gpu_memory_gib=total / GiB)
+        device = torch.cuda.get_device_name(config.device)
+    else:
+        import os
+
+        plan = make_plan(dc.replace(args, kv_cache_memory=config.kv_cache_memory))
+        device = f"CPU ({os.cpu_count()} cores)"
+    if plan.failures:
+        from pagedserve.errors import ConfigError
+
+        raise ConfigError(f"The memory plan fails at start-up: {plan.failures[0]}")
+    return device, plan.table()
+
+
+def cmd_tune(ns: argparse.Namespace) -> None:
+    """Plan, measure the ladder, pick the recommendation, and write profiles, runbook and alerts."""
+    from pagedserve.bench.sweep import plan_from, result_dir, run_sweep
+    from pagedserve.cli import engine_args_from, engine_flags
+    from pagedserve.tune.derive import derive
+    from pagedserve.tune.profiles import check_against_engine, dump_profiles
+    from pagedserve.tune.runbook import alert_rules, runbook
+
+    args = engine_args_from(ns)
+    config = args.create_config()
+    plan = plan_from(ns)
+    folder = result_dir(ns.result_dir, "tune")
+    device, plan_text = memory_plan(args, config)
+    (folder / "plan.txt").write_text(plan_text + "\n")
+    print(f"Memory plan on {device}:\n{plan_text}\n", flush=True)
+
+    flags = engine_flags(args)
+    ns.api_key = None
+    doc = run_sweep(ns, plan, folder, serve_flags=flags, runs=[("server", None, flags)])
+    d = derive(doc, config, model=args.model)
+    check_against_engine(d.spec, config)  # what serve --profiles will check
+    serve = " ".join(["pagedserve", "serve", args.model, *flags])
+    header = (f"Degradation profiles for {args.model} on {device}, from the ladder measured by\n"
+              f"{' '.join(doc['command'])} on {doc['date']}.\nServe: {serve} --profiles profiles.yaml\n"
+              f"Every value's source is in RUNBOOK.md.")
+    (folder / "profiles.yaml").write_text(dump_profiles(d.spec, header))
+    (folder / "RUNBOOK.md").write_text(runbook(d, doc, model=args.model, device=device, serve_command=serve,
+                                               plan_text=plan_text))
+    (folder / "alerts.yaml").write_text(alert_rules(d, args.model))
+    normal, protect = d.spec.profiles["normal"], d.spec.profiles["protect"]
+    print(f"\nnormal:  --max-num-seqs {normal.max_num_seqs} --max-num-batched-tokens {normal.max_num_batched_tokens}, "
+          f"{normal.max_num_queued_reqs} in flight\nprotect: --max-num-seqs {protect.max_num_seqs} "
+          f"--max-num-batched-tokens {protect.max_num_batched_tokens}, prompts up to {protect.max_input_tokens} tokens, "
+          f"{protect.max_num_queued_reqs} in flight\n"
+          f"Wrote {folder}/profiles.yaml, RUNBOOK.md, alerts.yaml and the ladder's report.html.\n"
+          f"Serve with: {serve} --profiles {folder}/profiles.yaml")
+
+
 def add_tune_parsers(sub) -> None:
     from pagedserve.cli import add_engine_args
     from pagedserve.tune.plan import GPU_PRESETS
@@ -49,3 +112,11 @@ def add_tune_parsers(sub) -> None:
                    help="The server's --max-num-seqs, to tell queueing at the cap from the token budget.")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_diagnose)
+
+    from pagedserve.bench.cli import add_ladder_args
+
+    t = sub.add_parser("tune", help="One command: plan the memory, start the server, run the concurrency ladder, "
+                                    "and write normal/protect profiles, a runbook and alert rules.")
+    add_engine_args(t)
+    add_ladder_args(t, client=False)
+    t.set_defaults(func=cmd_tune)
