@@ -27,27 +27,35 @@ def cmd_diagnose(ns: argparse.Namespace) -> None:
     print(json.dumps(dataclasses.asdict(result), indent=2) if ns.json else result.text())
 
 
-def memory_plan(args, config) -> tuple[str, str]:
-    """(device name, the planner's table) for the device this engine will run on."""
-    import dataclasses as dc
+def gpu_facts() -> tuple[int, str] | None:
+    """(total memory as torch reports it, name) of the first GPU, read in a child process: the client of a
+    server it starts must hold no CUDA context (hundreds of MiB) on the server's device."""
+    import subprocess
+    import sys
 
+    code = ("import torch\nif torch.cuda.is_available():\n"
+            "    print(torch.cuda.mem_get_info(0)[1]); print(torch.cuda.get_device_name(0))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split("\n")
+    return (int(out[0]), out[1]) if out and out[0].strip().isdigit() else None
+
+
+def memory_plan(args, gpu: tuple[int, str] | None) -> tuple[str, str]:
+    """(device name, the planner's table) for the device the server will run on."""
+    import dataclasses as dc
+    import os
+
+    from pagedserve.errors import ConfigError
     from pagedserve.memory import GiB
     from pagedserve.tune.plan import make_plan
 
-    if config.device.type == "cuda":
-        import torch
-
-        total = torch.cuda.mem_get_info(config.device)[1]
-        plan = make_plan(args, gpu_memory_gib=total / GiB)
-        device = torch.cuda.get_device_name(config.device)
+    if gpu is not None:
+        plan = make_plan(args, gpu_memory_gib=gpu[0] / GiB)
+        device = gpu[1]
     else:
-        import os
-
+        config = args.create_config()
         plan = make_plan(dc.replace(args, kv_cache_memory=config.kv_cache_memory))
         device = f"CPU ({os.cpu_count()} cores)"
     if plan.failures:
-        from pagedserve.errors import ConfigError
-
         raise ConfigError(f"The memory plan fails at start-up: {plan.failures[0]}")
     return device, plan.table()
 
@@ -60,11 +68,15 @@ def cmd_tune(ns: argparse.Namespace) -> None:
     from pagedserve.tune.profiles import check_against_engine, dump_profiles
     from pagedserve.tune.runbook import alert_rules, runbook
 
+    from pagedserve.config import resolve_model
+
     args = engine_args_from(ns)
-    config = args.create_config()
+    resolve_model(args.model, args.load_format)  # e.g. a built-in name without --load-format dummy
+    gpu = gpu_facts() if args.device != "cpu" else None
+    config = args.create_config(plan_for="cuda" if gpu else None)  # as the server will resolve it
     plan = plan_from(ns)
     folder = result_dir(ns.result_dir, "tune")
-    device, plan_text = memory_plan(args, config)
+    device, plan_text = memory_plan(args, gpu)
     (folder / "plan.txt").write_text(plan_text + "\n")
     print(f"Memory plan on {device}:\n{plan_text}\n", flush=True)
 

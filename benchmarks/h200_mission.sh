@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The mission's GPU runs on one H200, one after another: the ladder over --max-num-seqs 16/32/64 with the
+# document's serve flags, `tune` with those flags, and a burst of 8k-token prompts against the tuned server.
+# Usage: bash benchmarks/h200_mission.sh RESULT_DIR   (with pagedserve importable: PYTHONPATH=repo root)
+set -u
+R=${1:-results/h200}
+mkdir -p "$R"
+DOC="--load-format dummy --gpu-memory-utilization 0.88 --max-model-len 8192 --max-num-seqs 16 --max-num-batched-tokens 4096 --enable-chunked-prefill"
+WORK="--random-input-len 1024 --random-output-len 256"
+run() { echo "== $(date +%T) $*"; "$@"; echo "== $(date +%T) exit $?"; }
+run python3 -m pagedserve.cli bench sweep --model Qwen/Qwen3-8B --serve-args "$DOC" --grid max_num_seqs=16,32,64 \
+    $WORK --concurrency 1,2,4,8,16,32,64 --result-dir "$R/grid" --disable-tqdm
+run python3 -m pagedserve.cli tune Qwen/Qwen3-8B $DOC $WORK --concurrency 1,2,4,8,16,32 --result-dir "$R/tune" \
+    --disable-tqdm
+run python3 benchmarks/profile_burst.py --model Qwen/Qwen3-8B --serve-args "$DOC" --profiles "$R/tune/profiles.yaml" \
+    --concurrency 8 $(echo $WORK | sed 's/random-//g') --burst-prompts 32 --burst-input-len 8000 --burst-seconds 8 \
+    --before 20 --after 60 --recovery-dwell-s 20 --recovery-hold-s 10 --result-dir "$R/burst"
+echo "== $(date +%T) done"
