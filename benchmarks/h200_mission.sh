@@ -13,6 +13,6 @@ run python3 -m pagedserve.cli bench sweep --model Qwen/Qwen3-8B --serve-args "$D
 run python3 -m pagedserve.cli tune Qwen/Qwen3-8B $DOC $WORK --concurrency 1,2,4,8,16,32 --result-dir "$R/tune" \
     --disable-tqdm
 run python3 benchmarks/profile_burst.py --model Qwen/Qwen3-8B --serve-args "$DOC" --profiles "$R/tune/profiles.yaml" \
-    --concurrency 8 $(echo $WORK | sed 's/random-//g') --burst-prompts 32 --burst-input-len 8000 --burst-seconds 8 \
+    $(echo $WORK | sed 's/random-//g') --burst-prompts 32 --burst-input-len 8000 --burst-seconds 8 \
     --before 20 --after 60 --recovery-dwell-s 20 --recovery-hold-s 10 --result-dir "$R/burst"
 echo "== $(date +%T) done"

@@ -2,7 +2,7 @@
 burst with 503s, keep the steady traffic's TTFT, and return to normal?
 
 Starts `pagedserve serve MODEL SERVE_ARGS --profiles FILE`, runs steady traffic at --concurrency for the
-whole run, fires --burst-prompts prompts of --burst-input-len tokens at once after --before seconds, and
+whole run (clients that get a 503 wait a second, as Retry-After asks), fires --burst-prompts prompts of --burst-input-len tokens at once after --before seconds, and
 polls GET /admin/profile throughout. Reports the p95 TTFT of the steady requests before the switch to
 protect, during protect, and after the return to normal, the 503s, and when the switches happened.
 
@@ -56,7 +56,10 @@ async def run(ns: argparse.Namespace, base_url: str) -> dict:
 
         async def client() -> None:
             while time.perf_counter() < stop_at:
-                steady_results.append(await send_request(session, cfg, next(steady), t0))
+                r = await send_request(session, cfg, next(steady), t0)
+                steady_results.append(r)
+                if "HTTP 503" in r.error:  # a polite client: back off, as Retry-After asks
+                    await asyncio.sleep(1.0)
 
         async def one_long(i: int, sample):
             await asyncio.sleep(ns.before + ns.burst_seconds * i / max(len(burst), 1))
@@ -99,7 +102,8 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--serve-args", default="")
     ap.add_argument("--profiles", required=True)
-    ap.add_argument("--concurrency", type=int, default=8, help="Steady requests in flight throughout.")
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="Steady requests in flight throughout (default: the normal profile's max_num_seqs).")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--burst-prompts", type=int, default=32)
@@ -115,6 +119,7 @@ def main() -> None:
     folder = Path(ns.result_dir)
     folder.mkdir(parents=True, exist_ok=True)
     spec = yaml.safe_load(Path(ns.profiles).read_text())
+    ns.concurrency = ns.concurrency or spec["profiles"]["normal"]["max_num_seqs"]
     for key, value in (("min_dwell_s", ns.recovery_dwell_s), ("hold_s", ns.recovery_hold_s)):
         if value is not None:
             spec.setdefault("recovery", {})[key] = value

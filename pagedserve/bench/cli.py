@@ -86,6 +86,11 @@ def cmd_bench_sweep(ns: argparse.Namespace) -> None:
     from pagedserve.bench.sweep import parse_grid, plan_from, result_dir, run_sweep
 
     plan = plan_from(ns)
+    if ns.reanalyze is not None:
+        from pagedserve.bench.sweep import reanalyze
+
+        reanalyze(Path(ns.reanalyze), plan.knee)
+        return
     external = ns.base_url is not None or ns.host is not None or ns.port is not None
     grid = parse_grid(ns.grid)
     if external and (ns.serve_args or grid):
@@ -170,8 +175,11 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
     k.add_argument("--knee-min-gain", type=float, default=0.10,
                    help="Knee when output throughput grows less than this per doubling of the load.")
     k.add_argument("--knee-latency-factor", type=float, default=3.0,
-                   help="Knee when p95 TTFT, ITL or E2EL exceeds this multiple of the lowest rung's (for metrics "
-                        "without an --slo).")
+                   help="Knee when the p95 of a --knee-latency-metrics metric exceeds this multiple of the lowest "
+                        "rung's (for metrics without an --slo).")
+    k.add_argument("--knee-latency-metrics", default="itl,e2el",
+                   help="Metrics the latency signal watches (ttft too, if listed; a TTFT target is better given "
+                        "as --slo ttft_p95=MS).")
     k.add_argument("--knee-kv-usage", type=float, default=0.90, help="Knee when peak KV-cache usage reaches this.")
     k.add_argument("--knee-max-failure-rate", type=float, default=0.0,
                    help="Knee when more than this fraction of a rung's requests fail.")
@@ -225,6 +233,9 @@ def add_bench_parser(sub) -> None:
                    help="Repeat the ladder for each value of one server flag, e.g. max_num_seqs=16,32,64 (one "
                         "variable at a time).")
     g.add_argument("--api-key", default=None)
+    w.add_argument("--reanalyze", default=None, metavar="DIR",
+                   help="Measure nothing: place the knee and the recommendation again, with the knee and --slo "
+                        "flags given, on the rungs a sweep saved in DIR/sweep.json, and rewrite its artefacts.")
     add_ladder_args(w)
     w.set_defaults(func=cmd_bench_sweep)
 

@@ -7,8 +7,10 @@ and failed no request:
 
 - ``throughput``: output throughput gained less than ``min_gain`` per doubling of the load from the rung
   before (more load buys little);
-- ``latency``: p95 TTFT, ITL or E2EL above ``latency_factor`` times the lowest rung's (latency climbs);
-  for a metric the user gave an SLO for, the SLO decides instead;
+- ``latency``: p95 E2EL or ITL (``latency_metrics``) above ``latency_factor`` times the lowest rung's: request
+  latency climbs. TTFT is not among the defaults: in a closed loop it grows with every prompt that shares
+  a prefill step long before throughput stops growing, so a TTFT limit is the user's to give (``--slo
+  ttft_p95=MS``). For a metric the user gave an SLO for, the SLO decides instead;
 - ``preemption``: the server preempted requests (the KV cache ran out);
 - ``kv_cache``: peak KV-cache usage reached ``kv_usage`` (preemption is one burst away);
 - ``failures``: more than ``max_failure_rate`` of the requests failed;
@@ -30,7 +32,7 @@ SIGNALS = ("throughput", "latency", "preemption", "kv_cache", "failures", "slo",
 DEFAULT_SIGNALS = SIGNALS[:-1]
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_STATS = {"mean": "mean", "p50": "p50", "median": "p50", "p95": "p95", "p99": "p99"}
-LATENCY_METRICS = ("ttft", "itl", "e2el")
+LATENCY_METRICS = ("itl", "e2el")
 
 
 def parse_slo(items: list[str] | None) -> dict[str, float]:
@@ -75,11 +77,15 @@ class KneeSettings:
     max_failure_rate: float = 0.0
     slo: dict[str, float] = field(default_factory=dict)
     signals: tuple[str, ...] = DEFAULT_SIGNALS
+    latency_metrics: tuple[str, ...] = LATENCY_METRICS
 
     def __post_init__(self) -> None:
         unknown = set(self.signals) - set(SIGNALS)
         if unknown:
             raise ConfigError(f"--knee-signals: unknown {sorted(unknown)}; choose from {', '.join(SIGNALS)}.")
+        unknown = set(self.latency_metrics) - set(SLO_METRICS)
+        if unknown:
+            raise ConfigError(f"--knee-latency-metrics: unknown {sorted(unknown)}; choose from {', '.join(SLO_METRICS)}.")
         if not self.min_gain >= 0 or not self.latency_factor > 1 or not 0 < self.kv_usage <= 1:
             raise ConfigError("--knee-min-gain must be >= 0, --knee-latency-factor > 1 and --knee-kv-usage in (0, 1].")
 
@@ -167,7 +173,7 @@ def find_knee(rungs: list[dict], loads: list[float], settings: KneeSettings, uni
                  f"output throughput {prev['output_throughput']:,.0f} -> {r['output_throughput']:,.0f} tok/s from "
                  f"{_fmt_load(loads[i - 1], unit)} to {loads[i]:g}: {100 * g:+.1f} % per doubling "
                  f"(below {100 * settings.min_gain:.0f} %)")
-        for metric in LATENCY_METRICS:
+        for metric in settings.latency_metrics:
             if any(k.startswith(metric + "_") for k in settings.slo):
                 continue  # the user's SLO says what latency is acceptable for this metric
             key = f"p95_{metric}_ms"

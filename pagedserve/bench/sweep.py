@@ -291,6 +291,10 @@ def parse_grid(text: str | None) -> tuple[str, list[str]] | None:
     return name, vals
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def plan_from(ns: argparse.Namespace) -> SweepPlan:
     """The ladder and knee settings from the flags `bench sweep` and `tune` share."""
     if ns.request_rates is not None and ns.concurrency is not None:
@@ -298,9 +302,8 @@ def plan_from(ns: argparse.Namespace) -> SweepPlan:
     rates = ns.request_rates is not None
     loads = _float_list(ns.request_rates if rates else ns.concurrency or "1,2,4,8,16,32",
                         "--request-rates" if rates else "--concurrency")
-    signals = tuple(x.strip() for x in ns.knee_signals.split(",") if x.strip())
     knee = KneeSettings(ns.knee_min_gain, ns.knee_latency_factor, ns.knee_kv_usage, ns.knee_max_failure_rate,
-                        parse_slo(ns.slo), signals)
+                        parse_slo(ns.slo), _names(ns.knee_signals), _names(ns.knee_latency_metrics))
     return SweepPlan("rate" if rates else "concurrency", loads, ns.prompts_per_rung, ns.warmup, ns.repeats,
                      ns.reset_prefix_cache, knee)
 
@@ -361,4 +364,29 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
     print(f"Recommendation: {rec['reason'] if rec else 'none. ' + doc['ladders'][-1]['knee']['recommendation_reason']}",
           file=out)
     print("Wrote " + ", ".join(str(p) for p in paths), file=out, flush=True)
+    return doc
+
+
+def reanalyze(folder: Path, knee: KneeSettings, out=sys.stdout) -> dict:
+    """Place the knees and the recommendation again, with other settings, on the rungs a sweep measured
+    (sweep.json in ``folder``), and rewrite its artefacts; nothing is measured again."""
+    from pagedserve.bench.report import write_artefacts
+
+    path = folder / "sweep.json"
+    if not path.is_file():
+        raise ConfigError(f"--reanalyze {str(folder)!r}: no sweep.json there.")
+    doc = json.loads(path.read_text())
+    unit = doc["unit"]
+    plan = SweepPlan(doc["mode"], doc["loads"], knee=knee)
+    for lad in doc["ladders"]:
+        lad["knee"] = find_knee(lad["rungs"], [r["load"] for r in lad["rungs"]], knee, unit).to_json()
+        print(f"{lad['label']}: {lad['knee']['reason']}\n{lad['label']}: {lad['knee']['recommendation_reason']}",
+              file=out)
+    doc.update(slo=knee.slo, knee_settings=asdict(knee),
+               recommendation=recommendation(doc["ladders"], plan, doc["grid"]["param"] if doc["grid"] else None),
+               reanalyzed={"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "measured": doc["date"]})
+    doc.pop("in_progress", None)
+    paths = write_artefacts(doc, folder)
+    rec = doc["recommendation"]
+    print(f"Recommendation: {rec['reason'] if rec else 'none'}\nRewrote " + ", ".join(str(p) for p in paths), file=out)
     return doc
