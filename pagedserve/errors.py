@@ -1,5 +1,5 @@
-"""User-facing errors: a configuration the engine cannot run, a request it cannot take, and a benchmark that
-could not run against its server."""
+"""User-facing errors: a configuration the engine cannot run, a request it cannot take, a request that failed
+while running, and a benchmark that could not run against its server."""
 
 
 class ConfigError(ValueError):
@@ -18,3 +18,8 @@ class InvalidRequestError(ValueError):
 class BenchmarkError(RuntimeError):
     """A load test that could not run (its server refused every warm-up request, or went away); the
     message says what was seen and where partial results are."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed while it ran (its step raised, or its output could not be processed); the others
+    go on. The server answers it with an error (an in-stream error frame once streaming has started)."""

@@ -32,6 +32,7 @@ def running_server(*flags: str, model: str = "tiny"):
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("server did not start")
         time.sleep(0.05)
+    server.config.app.state.uvicorn = server  # tests that stop it or read its exit code reach it here
     try:
         yield f"http://127.0.0.1:{port}", server.config.app
     finally:

@@ -44,6 +44,7 @@ class CoreOutput:
     rank: int | None = None
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    error: str | None = None                # the request failed (a step raised): why
 
 
 @dataclass
@@ -91,6 +92,7 @@ class EngineCore:
         self.peaks = EnginePeaks()
         self.last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._in_flight: tuple[SchedulerOutput, PendingSamples | None] | None = None
+        self._uncollected: list[SchedulerOutput] = []  # the steps a failing step() leaves without outputs
         for line in budget.report_lines():
             logger.info(line)
         logger.info("init engine (load model, size KV cache) took %.2f seconds", time.perf_counter() - t0)
@@ -127,9 +129,20 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._in_flight is not None
 
+    def fail_step(self, error: BaseException) -> list[CoreOutput]:
+        """After ``step`` raised: finish the requests of the steps it was launching and collecting, with the
+        error, so that they free their blocks and nothing waits on their tokens; the others go on."""
+        ids = {it.request.request_id for sched in self._uncollected for it in sched.scheduled}
+        self._in_flight, self._uncollected = None, []
+        finished = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        why = f"{type(error).__name__}: {error}"
+        return [CoreOutput(r.request_id, None, "abort", num_preemptions=r.num_preemptions, error=why)
+                for r in finished]
+
     def step(self) -> list[CoreOutput]:
         """Launch the next step, then return what the step launched before it produced."""
         sched = self.scheduler.schedule()
+        self._uncollected = [sched] + ([self._in_flight[0]] if self._in_flight is not None else [])
         self.peaks.observe(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage)
         self.counters.prefix_cache_queries += sched.prefix_cache_queries
         self.counters.prefix_cache_hits += sched.prefix_cache_hits
@@ -140,6 +153,7 @@ class EngineCore:
             self.counters.num_steps += 1
         previous, self._in_flight = self._in_flight, launched
         outputs = self._collect(*previous) if previous is not None else []
+        self._uncollected = []
         # after the collect: requests the previous step finished have left the running list
         self.last_stats = self.scheduler.stats(sched)
         return outputs

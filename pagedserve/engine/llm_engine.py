@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.processor import InputProcessor, OutputProcessor, Prompt, load_tokenizer
+from pagedserve.errors import RequestFailedError
 from pagedserve.outputs import RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
 
@@ -40,7 +41,10 @@ class LLMEngine(EngineBase):
         return self.core.has_unfinished
 
     def step(self) -> list[RequestOutput]:
-        results, to_abort = self.outputs.process(self.core.step())
-        if to_abort:
-            self.core.abort(to_abort)
+        results, to_abort, failed = self.outputs.process(self.core.step())
+        if to_abort or failed:
+            self.core.abort([*to_abort, *failed])
+        if failed:
+            rid, error = next(iter(failed.items()))
+            raise RequestFailedError(f"request {rid} failed: {error}") from error
         return results

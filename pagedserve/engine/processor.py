@@ -11,7 +11,7 @@ from pathlib import Path
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import CoreOutput
 from pagedserve.engine.request import Request
-from pagedserve.errors import ConfigError, InvalidRequestError
+from pagedserve.errors import ConfigError, InvalidRequestError, RequestFailedError
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
 
@@ -34,8 +34,8 @@ def load_tokenizer(config: EngineConfig):
         return None
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
+    try:  # never run code from a model folder: a tokenizer that needs it fails here instead
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:
         raise ConfigError(f"The tokenizer in {str(path)!r} could not be loaded ({e}). Pass a working "
                           f"--tokenizer folder, or --skip-tokenizer-init to run on token ids.") from e
@@ -49,6 +49,11 @@ class InputProcessor:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        # no token covers more characters than the vocabulary's longest entry: a text longer than this
+        # many characters has more than max_model_len tokens, and is refused before it is tokenized
+        longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+        self.max_prompt_chars = longest * config.max_model_len
+        self.chat_template: str | None = None  # the server's --chat-template, over the tokenizer's
 
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -57,17 +62,40 @@ class InputProcessor:
                           f"built-in model name with dummy weights): send the prompt as token ids.")
         return self.tokenizer
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._need_tokenizer("Text prompts").encode(text, add_special_tokens=add_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
-        tok = self._need_tokenizer("Chat messages")
-        if tok.chat_template is None:
-            raise InvalidRequestError("messages", "This model's tokenizer has no chat template; use /v1/completions.")
+    def check_text(self, text: str, param: str) -> None:
+        """Refuse text that cannot be tokenized (a lone surrogate is not Unicode text) or that is certainly
+        longer than the context, before any tokenizer work."""
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(param, f"The {param} is not valid Unicode text: {e.reason} "
+                                             f"({text[e.start:e.end]!r} at character {e.start}).") from None
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(param, f"The {param} has {len(text):,} characters, so more than this model's "
+                                             f"maximum context of {self.config.max_model_len} tokens.")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tok = self._need_tokenizer("Text prompts")
+        self.check_text(text, "prompt")
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Render and tokenize a conversation: with ``chat_template`` if given, else the server's
+        (``--chat-template``), else the tokenizer's own; ``kwargs`` reach the template."""
+        tok = self._need_tokenizer("Chat messages")
+        template = chat_template or self.chat_template
+        if template is None and tok.chat_template is None:
+            raise InvalidRequestError("messages", "This model's tokenizer has no chat template; use /v1/completions "
+                                                  "or start the server with --chat-template.")
+        for m in messages:
+            self.check_text(m["content"], "messages")
+        try:
+            text = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # a template that rejects the messages (e.g. roles out of order)
             raise InvalidRequestError("messages", f"The chat template could not render these messages: {e}") from e
+        self.check_text(text, "messages")
         return tok.encode(text, add_special_tokens=False)
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -144,33 +172,43 @@ class OutputProcessor:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.states[request.request_id] = state
 
-    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Return the new RequestOutputs and the ids whose stop string was hit (to abort in the core)."""
-        results, to_abort = [], []
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str], dict[str, Exception]]:
+        """Return the new RequestOutputs, the ids whose stop string was hit (to abort in the core), and the
+        requests whose output could not be processed, with why: those fail alone, the others go on."""
+        results, to_abort, failed = [], [], {}
         now = time.monotonic()
         for out in outputs:
             st = self.states.get(out.request_id)
             if st is None:  # finished here already (a stop string), the core's late news is moot
                 continue
-            m = st.metrics
-            m.first_scheduled_time = out.first_scheduled_time or m.first_scheduled_time
-            m.num_preemptions = out.num_preemptions
-            if out.token_id is not None and self._append_token(st, out, now) and out.finish_reason is None:
-                to_abort.append(out.request_id)
-            if st.finish_reason is None:
-                st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
-            finished = st.finish_reason is not None
-            if finished:
-                self._flush(st)
-                m.finished_time = now
-                del self.states[out.request_id]
-            if st.kind is RequestOutputKind.DELTA:
-                delta = self._delta(st, finished)
-                if delta is not None:
-                    results.append(delta)
-            elif finished or st.kind is RequestOutputKind.CUMULATIVE:
-                results.append(self._output(st, finished))
-        return results, to_abort
+            try:
+                self._process_one(st, out, now, results, to_abort)
+            except Exception as e:  # noqa: BLE001 - e.g. a detokenizer error on this request's tokens
+                self.states.pop(out.request_id, None)
+                failed[out.request_id] = e
+        return results, to_abort, failed
+
+    def _process_one(self, st: _State, out: CoreOutput, now: float, results: list, to_abort: list) -> None:
+        if out.error is not None:
+            raise RequestFailedError(out.error)
+        m = st.metrics
+        m.first_scheduled_time = out.first_scheduled_time or m.first_scheduled_time
+        m.num_preemptions = out.num_preemptions
+        if out.token_id is not None and self._append_token(st, out, now) and out.finish_reason is None:
+            to_abort.append(out.request_id)
+        if st.finish_reason is None:
+            st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
+        finished = st.finish_reason is not None
+        if finished:
+            self._flush(st)
+            m.finished_time = now
+            del self.states[out.request_id]
+        if st.kind is RequestOutputKind.DELTA:
+            delta = self._delta(st, finished)
+            if delta is not None:
+                results.append(delta)
+        elif finished or st.kind is RequestOutputKind.CUMULATIVE:
+            results.append(self._output(st, finished))
 
     def _append_token(self, st: _State, out: CoreOutput, now: float) -> bool:
         """Add the token; True if it completed a stop string (the request is then finished here)."""

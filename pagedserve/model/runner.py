@@ -62,6 +62,8 @@ class PendingSamples:
 
 
 _SEED_MASK = (1 << 63) - 1  # noise keys are non-negative int64
+# a temperature this high already samples uniformly at float32 precision; larger ones would overflow it
+_MAX_TEMPERATURE = 1e6
 
 
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -460,7 +462,8 @@ class ModelRunner:
             return SamplingBatch.greedy_only(num_logprobs)
         vocab = self.config.model.vocab_size
         # rows: temperature (1 for greedy rows), greedy, top-k (vocab when off), top-p, min-p; one upload
-        table = np.array([(1.0 if p.greedy else p.temperature, p.greedy, p.top_k if p.top_k > 0 else vocab,
+        table = np.array([(1.0 if p.greedy else min(p.temperature, _MAX_TEMPERATURE), p.greedy,
+                           p.top_k if 0 < p.top_k < vocab else vocab,
                            p.top_p, p.min_p) for p in sp], dtype=np.float32).T
         rows = self._to_device(table)
         # a seeded request's noise is keyed by (its seed, the index of the token being sampled): the same

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 
 import pagedserve
-from pagedserve.server.async_engine import AsyncEngine
+from pagedserve.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.server.errors import APIError, error_response, install_handlers
 from pagedserve.server.routes import admin, openai, ops
 from pagedserve.server.state import ServerSettings, ServerState
@@ -20,6 +20,45 @@ logger = logging.getLogger(__name__)
 
 # open without --api-key: liveness probes and Prometheus scrapers do not carry the key
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def too_large(limit: int) -> str:
+    return f"The request body is larger than this server's limit of {limit // 2**20} MiB."
+
+
+class BodySizeLimit:
+    """413 for a request body over the limit: at once when Content-Length announces it, else as soon as the
+    streamed body passes it. Then the app is told the client went away, and what it would still send is
+    dropped: the 413 is the answer, and nothing more of the body is read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refuse = error_response(APIError(413, too_large(self.limit), "RequestTooLargeError"))
+        announced = dict(scope["headers"]).get(b"content-length")
+        if announced is not None and announced.isdigit() and int(announced) > self.limit:
+            return await refuse(scope, receive, send)
+        seen, refused = 0, False
+
+        async def counted():
+            nonlocal seen, refused
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit and not refused:
+                refused = True
+                await refuse(scope, receive, send)
+                return {"type": "http.disconnect"}
+            return message
+
+        async def send_unless_refused(message):
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counted, send_unless_refused)
 
 
 async def log_stats(state: ServerState) -> None:
@@ -52,12 +91,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if state.degradation is not None:
             await state.degradation.start()
             tasks.append(asyncio.create_task(state.degradation.run()))
-        yield
+        yield  # the server drains requests before this (server.cli.Server.shutdown)
         for task in tasks:
             task.cancel()
-        if not await engine.wait_idle(settings.shutdown_timeout):
-            logger.warning("shutdown: %d requests still in flight after %.0f s", engine.num_in_flight,
-                           settings.shutdown_timeout)
         await engine.stop()
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
@@ -66,14 +102,26 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     install_handlers(app)
 
     @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if settings.api_key and request.url.path not in PUBLIC_PATHS:
+    async def gate(request: Request, call_next):
+        """The key on every route but the public ones; then a full server refuses a generation call before
+        its body is even parsed."""
+        path = request.url.path
+        if settings.api_key and path not in PUBLIC_PATHS:
             header = request.headers.get("authorization", "")
             given = header[7:] if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
                 return error_response(APIError(401, "Invalid or missing API key (Authorization: Bearer <key>).",
                                                "AuthenticationError"))
+        if path in GENERATE_PATHS and request.method == "POST":
+            try:
+                state.admission.check_room(1)
+            except APIError as e:
+                return error_response(e)
+            except EngineDeadError as e:
+                return error_response(APIError(503, str(e), "ServiceUnavailableError"))
         return await call_next(request)
+
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)
 
     app.include_router(openai.router)
     app.include_router(ops.router)

@@ -26,6 +26,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core import CoreOutput, EngineCore
 from pagedserve.engine.llm_engine import EngineBase
 from pagedserve.engine.request import Request
+from pagedserve.errors import RequestFailedError
 from pagedserve.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The core thread died; requests in flight are failed with this."""
+
+
+MAX_FAILED_STEPS = 3  # consecutive failed steps after which the device is taken to be gone
 
 
 @dataclass
@@ -62,7 +66,8 @@ class AsyncEngine(EngineBase):
         # prompt tokens of admitted requests that have no output yet (waiting or prefilling)
         self._unstarted: dict[str, int] = {}
         self.queued_prompt_tokens = 0
-        self.observer = None  # optional: .observe(results) after each step, .aborted(request_id)
+        self.observer = None  # optional: .observe(results) after each step, .aborted(rid), .failed(rid)
+        self.on_dead: Callable[[], None] | None = None  # called on the loop once the core thread has died
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
@@ -89,6 +94,7 @@ class AsyncEngine(EngineBase):
 
     def _core_loop(self) -> None:
         core = self.core
+        failed_steps = 0
         try:
             while True:
                 commands = [self._inbox.get()] if not core.has_unfinished else []
@@ -112,7 +118,15 @@ class AsyncEngine(EngineBase):
                             result = (None, e)
                         self._loop.call_soon_threadsafe(_resolve, cmd.done, result)
                 if core.has_unfinished:
-                    outputs.extend(core.step())
+                    try:
+                        outputs.extend(core.step())
+                        failed_steps = 0
+                    except Exception as e:  # fail the step's requests and keep serving the others
+                        failed_steps += 1
+                        if failed_steps >= MAX_FAILED_STEPS:  # the device itself is gone
+                            raise
+                        logger.exception("An engine step failed; its requests fail, the others go on")
+                        outputs.extend(core.fail_step(e))
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_core_outputs, outputs)
         except BaseException as e:  # noqa: BLE001 - the engine is dead; tell every waiting request
@@ -122,9 +136,9 @@ class AsyncEngine(EngineBase):
     # ------------------------------------------------------------------ the loop side
 
     def _on_core_outputs(self, outputs: list[CoreOutput]) -> None:
-        results, to_abort = self.outputs.process(outputs)
-        if to_abort:
-            self._inbox.put(_Abort(to_abort))
+        results, to_abort, failed = self.outputs.process(outputs)
+        if to_abort or failed:
+            self._inbox.put(_Abort([*to_abort, *failed]))
         for res in results:
             self._started(res.request_id)
             q = self._queues.get(res.request_id)
@@ -132,8 +146,36 @@ class AsyncEngine(EngineBase):
                 q.put_nowait(res)
                 if res.finished:  # no longer in flight, whether or not anyone reads the stream
                     del self._queues[res.request_id]
+        for rid, error in failed.items():
+            if not isinstance(error, RequestFailedError):
+                logger.error("Request %s failed while its output was processed", rid, exc_info=error)
+                error = RequestFailedError(f"{type(error).__name__}: {error}")
+            self._fail(rid, error)
         if self.observer is not None:
-            self.observer.observe(results)
+            try:
+                self.observer.observe(results)
+            except Exception:  # metrics must never cost a request its tokens
+                logger.exception("Observing outputs for the metrics failed")
+
+    def _fail(self, rid: str, error: BaseException) -> None:
+        """End one request's stream with ``error`` (its blocks are freed by the abort the caller sends)."""
+        self._started(rid)
+        q = self._queues.pop(rid, None)
+        if q is not None:
+            q.put_nowait(error)
+            if self.observer is not None:
+                self.observer.failed(rid)
+
+    def fail_requests(self, error: BaseException) -> int:
+        """End every request in flight with ``error`` and abort it in the core (the engine stays up);
+        returns how many there were."""
+        rids = list(self._queues)
+        for rid in rids:
+            self.outputs.abort(rid)
+            self._fail(rid, error)
+        if rids:
+            self._inbox.put(_Abort(rids))
+        return len(rids)
 
     def _fail_all(self, error: BaseException) -> None:
         self.dead = error
@@ -150,6 +192,8 @@ class AsyncEngine(EngineBase):
                 break
             if isinstance(cmd, _Call):
                 _resolve(cmd.done, (None, dead))
+        if self.on_dead is not None:
+            self.on_dead()
 
     def add(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
         """Admit a request (from ``self.inputs.make_request``, so bad input fails before a response

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import threading
 
 import uvicorn
@@ -13,12 +15,40 @@ import uvicorn
 logger = logging.getLogger(__name__)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, except that a drained SIGTERM/SIGINT exits with status 0 (uvicorn re-raises the signal
-    after its graceful shutdown, which makes the process die of it)."""
+class Server(uvicorn.Server):
+    """uvicorn, with the engine's way of stopping: on SIGTERM/SIGINT it stops accepting connections and lets
+    requests in flight finish for --shutdown-timeout seconds; those still running then are ended with an
+    error (an error frame and [DONE] on a stream), so no client is cut off without a word. ``exit_code``:
+    0 when everything drained, 1 when requests were cut or the engine died (a supervisor should know)."""
+
+    def __init__(self, config: uvicorn.Config, engine, drain_timeout: float):
+        super().__init__(config)
+        self.engine, self.drain_timeout = engine, drain_timeout
+        self.cut = 0
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.cut or self.engine.dead is not None else 0
+
+    async def shutdown(self, sockets=None) -> None:
+        drain = asyncio.create_task(self._drain())
+        await super().shutdown(sockets)
+        await drain
+
+    async def _drain(self) -> None:
+        from pagedserve.server.errors import ShuttingDownError
+
+        if not await self.engine.wait_idle(self.drain_timeout):
+            self.cut = self.engine.fail_requests(ShuttingDownError(
+                f"The server is shutting down: this request did not finish within the {self.drain_timeout:g} s "
+                f"it allows (--shutdown-timeout); retry it elsewhere."))
+            logger.error("Shutdown: %d request(s) still running after %g s were ended with an error", self.cut,
+                         self.drain_timeout)
 
     @contextlib.contextmanager
     def capture_signals(self):
+        """Take SIGTERM/SIGINT as a request to drain; unlike uvicorn's own, do not re-raise the signal after
+        the shutdown (the process would die of it instead of exiting with ``exit_code``)."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -52,9 +82,34 @@ def add_serve_parser(sub) -> None:
                         "switch to protect when a trigger fires and back when it clears.")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="On SIGTERM, seconds to let in-flight requests finish before exiting.")
+    s.add_argument("--chat-template", default=None,
+                   help="A chat template (a file, or the template itself) used instead of the tokenizer's.")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Render chat templates that requests send (a template is code: off by default).")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--disable-log-stats", action="store_true", help="No periodic throughput/queue/KV log line.")
     p.set_defaults(func=cmd_serve)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself; checked as Jinja now, not at the first request."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    import jinja2
+
+    from pagedserve.errors import ConfigError
+
+    path = Path(value)
+    text = path.read_text() if path.is_file() else value
+    if not path.is_file() and "{" not in value:
+        raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message}).") from e
+    return text
 
 
 def build_server(ns: argparse.Namespace):
@@ -73,6 +128,8 @@ def build_server(ns: argparse.Namespace):
         from pagedserve.tune.profiles import load_profiles
 
         profiles = load_profiles(ns.profiles)
+    if ns.shutdown_timeout < 0:
+        raise ConfigError("--shutdown-timeout must be zero or more seconds.")
     if ns.api_key is not None and not ns.api_key.strip():
         raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without one.")
     if not 0 < ns.port < 65536:
@@ -82,15 +139,26 @@ def build_server(ns: argparse.Namespace):
         from pagedserve.tune.profiles import check_against_engine
 
         check_against_engine(profiles, config)  # before the model loads: a bad file fails in a second
+    chat_template = load_chat_template(ns.chat_template)
     engine = AsyncEngine(config)
+    engine.inputs.chat_template = chat_template
     settings = ServerSettings(served_model_names=ns.served_model_name or [ns.model], api_key=ns.api_key,
                               max_num_queued_reqs=ns.max_num_queued_reqs,
                               max_num_queued_tokens=ns.max_num_queued_tokens, shutdown_timeout=ns.shutdown_timeout,
-                              log_stats_interval=0.0 if ns.disable_log_stats else 10.0, profiles=profiles)
+                              log_stats_interval=0.0 if ns.disable_log_stats else 10.0, profiles=profiles,
+                              trust_request_chat_template=ns.trust_request_chat_template)
     app = build_app(engine, settings)
+    # uvicorn's own deadline comes after ours, so it finds every stream already ended
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
-                               timeout_graceful_shutdown=int(ns.shutdown_timeout), access_log=False)
-    return _Server(uv_config)
+                               timeout_graceful_shutdown=int(ns.shutdown_timeout) + 10, access_log=False)
+    server = Server(uv_config, engine, ns.shutdown_timeout)
+
+    def engine_died() -> None:  # exit, so that a supervisor restarts the server
+        logger.error("The engine died: stopping the server (exit status 1)")
+        server.should_exit = True
+
+    engine.on_dead = engine_died
+    return server
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
@@ -98,3 +166,5 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     logger.info("serving %s on http://%s:%d (SIGTERM or Ctrl-C drains in-flight requests, then exits)",
                 ns.model, ns.host, ns.port)
     server.run()
+    if server.exit_code:
+        sys.exit(server.exit_code)

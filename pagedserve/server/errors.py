@@ -7,11 +7,23 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import InvalidRequestError, RequestFailedError
 from pagedserve.server.async_engine import EngineDeadError
 
 logger = logging.getLogger(__name__)
+
+
+class ShuttingDownError(RuntimeError):
+    """The server stopped a request that had not finished when its shutdown deadline came."""
+
+
+def status_of(e: BaseException) -> tuple[int, str]:
+    """The HTTP status and error type a request that failed with ``e`` is answered with."""
+    if isinstance(e, (EngineDeadError, ShuttingDownError)):
+        return 503, "ServiceUnavailableError"
+    return 500, "InternalServerError"
 
 
 class APIError(Exception):
@@ -34,13 +46,16 @@ def unavailable(message: str, retry_after: int = 1) -> APIError:
     return APIError(503, message, "ServiceUnavailableError", headers={"Retry-After": str(retry_after)})
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, content_type: str) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request.", None
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"The request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}.", None
+    if first.get("loc") == ("body",) and not content_type.startswith("application/json"):
+        return (f"Send the request body as JSON with 'Content-Type: application/json' "
+                f"(got {content_type or 'no Content-Type'}).", None)
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg')} (got {first.get('input')!r}).", param
@@ -58,13 +73,23 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(APIError(400, str(e), "BadRequestError", e.param))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
-        message, param = _validation_message(e)
+    async def _validation(request: Request, e: RequestValidationError):
+        message, param = _validation_message(e, request.headers.get("content-type", ""))
         return error_response(APIError(400, message, "BadRequestError", param))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):  # unknown routes (404), wrong methods (405)
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "HTTPError")
+        message = {404: f"No route {request.url.path}.",
+                   405: f"{request.method} is not allowed on {request.url.path}."}.get(e.status_code, str(e.detail))
+        return error_response(APIError(e.status_code, message, kind, headers=getattr(e, "headers", None)))
+
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, e: EngineDeadError):
-        return error_response(APIError(503, str(e), "ServiceUnavailableError"))
+    @app.exception_handler(ShuttingDownError)
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, e: Exception):
+        status, kind = status_of(e)
+        return error_response(APIError(status, str(e), kind))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):  # a bug, not bad input: still answer in the API's shape

@@ -188,3 +188,8 @@ class ServerMetrics:
         """A request whose client went away before it finished."""
         self._last_token.pop(request_id, None)
         self.finished["abort"] = self.finished.get("abort", 0) + 1
+
+    def failed(self, request_id: str) -> None:
+        """A request that ended with an error (a failed step, an output that could not be processed)."""
+        self._last_token.pop(request_id, None)
+        self.finished["error"] = self.finished.get("error", 0) + 1

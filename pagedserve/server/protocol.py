@@ -2,42 +2,58 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+INT64 = (-(2**63), 2**63 - 1)
+INT32_MAX = 2**31 - 1
+logger = logging.getLogger(__name__)
 
 
-class _SamplingFields(BaseModel):
-    # unknown fields are accepted and ignored, as OpenAI clients send extras freely
-    model_config = ConfigDict(extra="allow")
+class _Body(BaseModel):
+    # numbers must be finite; booleans are not numbers nor numbers booleans (StrictInt / StrictBool below)
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _SamplingFields(_Body):
+    # unknown fields are accepted, as OpenAI clients send extras freely, and named in a warning (as vLLM does)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: StrictInt | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    n: int = 1
-    stream: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    n: StrictInt = Field(default=1, ge=1)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+
+    def model_post_init(self, _) -> None:
+        if self.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           sorted(self.model_extra))
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
@@ -59,10 +75,10 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -80,26 +96,50 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+class ContentPart(_Body):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    type: str
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Body):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
 
     def as_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if any(part.get("type") != "text" for part in content):
-                raise InvalidRequestError("messages", "Only text content parts are supported.")
-            content = "".join(part.get("text", "") for part in content)
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidRequestError("messages", "Only text content parts ({\"type\": \"text\", \"text\": ...}) "
+                                                      "are supported.")
+            content = "".join(part.text for part in content)
         return {"role": self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_args(self, trust_request_template: bool) -> dict:
+        """Keyword arguments for the chat template. A template sent by the client is rendered only when the
+        server trusts request templates: a template is code, and a slow one stalls the server."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        template = self.chat_template or kwargs.pop("chat_template", None)
+        if template is not None and not trust_request_template:
+            raise InvalidRequestError("chat_template", "This server does not render chat templates sent in requests "
+                                                       "(start it with --trust-request-chat-template to allow them).")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message", "continue_final_message continues the last "
+                                      "message; it cannot be combined with add_generation_prompt (set it to false).")
+        return {**kwargs, "chat_template": template, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -108,14 +148,14 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(self.max_completion_tokens or self.max_tokens, lp)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 

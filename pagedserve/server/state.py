@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0: off
     profiles: object | None = None    # a validated ProfilesFile (pagedserve.tune.profiles)
+    trust_request_chat_template: bool = False
+    max_request_body_bytes: int = 64 * 2**20
 
 
 class Admission:
@@ -62,18 +65,22 @@ class Admission:
         raise unavailable(f"{detail}, over the limit of {self.limits[limit]} that {where} sets ({limit}); "
                           f"retry later.", retry_after=round(self.retry_after()))
 
-    def check(self, prompt_lens: list[int]) -> None:
-        """Raise unless every prompt of one API call may enter now."""
+    def check_room(self, n: int) -> None:
+        """The limits that need no token counts: a dead engine, and requests in flight."""
         if self.engine.dead is not None:
             raise EngineDeadError(f"The engine stopped: {self.engine.dead!r}")
+        q = self.limits["max_num_queued_reqs"]
+        if q is not None and self.engine.num_in_flight + n > q:
+            self._refuse("max_num_queued_reqs", n, n, f"This call carries {n} prompts" if n > q else
+                         f"{self.engine.num_in_flight} requests are in flight and this call adds {n}")
+
+    def check(self, prompt_lens: list[int]) -> None:
+        """Raise unless every prompt of one API call may enter now."""
+        self.check_room(len(prompt_lens))
         n, lim, engine = len(prompt_lens), self.limits, self.engine
         longest, tokens = max(prompt_lens), sum(prompt_lens)
         if lim["max_input_tokens"] is not None and longest > lim["max_input_tokens"]:
             self._refuse("max_input_tokens", n, longest, f"A prompt of {longest} tokens")
-        q = lim["max_num_queued_reqs"]
-        if q is not None and engine.num_in_flight + n > q:
-            self._refuse("max_num_queued_reqs", n, n, f"This call carries {n} prompts" if n > q else
-                         f"{engine.num_in_flight} requests are in flight and this call adds {n}")
         qt = lim["max_num_queued_tokens"]
         if qt is not None and engine.queued_prompt_tokens + tokens > qt:
             self._refuse("max_num_queued_tokens", n, tokens, f"This call's prompts hold {tokens} tokens"
@@ -100,10 +107,13 @@ class ServerState:
                            "NotFoundError", "model")
         return name or self.served[0]
 
-    def start(self, base_id: str, prompts: list, params) -> list[AsyncIterator[RequestOutput]]:
-        """Validate every prompt and admit the call as a whole before starting any of its requests."""
-        made = [self.engine.inputs.make_request(f"{base_id}-{i}", p, dataclasses.replace(params))
-                for i, p in enumerate(prompts)]
+    async def start(self, base_id: str, prompts: list, params) -> list[AsyncIterator[RequestOutput]]:
+        """Validate every prompt and admit the call as a whole before starting any of its requests.
+        Tokenizing runs in a worker thread, so a long prompt never holds up the event loop."""
+        self.admission.check_room(len(prompts))  # a full server refuses before it tokenizes anything
+        inputs = self.engine.inputs
+        made = await asyncio.to_thread(lambda: [inputs.make_request(f"{base_id}-{i}", p, dataclasses.replace(params))
+                                                for i, p in enumerate(prompts)])
         lens = [req.num_prompt_tokens for req, _ in made]
         if self.degradation is not None:
             self.degradation.window.arrived(lens)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from pagedserve.outputs import RequestOutput, combine
-from pagedserve.server.errors import error_body
+from pagedserve.server.errors import error_body, status_of
 
 
 def sse(obj: dict) -> str:
@@ -75,7 +75,8 @@ async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
         async for obj in events:
             yield sse(obj)
     except Exception as e:  # noqa: BLE001
-        yield sse(error_body(500, str(e), "InternalServerError"))
+        status, kind = status_of(e)
+        yield sse(error_body(status, str(e), kind))
     yield "data: [DONE]\n\n"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -21,7 +22,7 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     model = state.check_model(body.model)
     params = body.sampling_params()
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = state.start(rid, body.prompts(), params)
+    streams = await state.start(rid, body.prompts(), params)
 
     def choice(i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
@@ -55,9 +56,11 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
     model = state.check_model(body.model)
     params = body.sampling_params()
     messages = [m.as_dict() for m in body.messages]
-    prompt = state.engine.inputs.apply_chat_template(messages, **(body.chat_template_kwargs or {}))
+    template_args = body.template_args(state.settings.trust_request_chat_template)
+    state.admission.check_room(1)
+    prompt = await asyncio.to_thread(state.engine.inputs.apply_chat_template, messages, **template_args)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = state.start(rid, [prompt], params)
+    streams = await state.start(rid, [prompt], params)
     want_lp = params.logprobs is not None
 
     if body.stream:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -38,9 +40,10 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_st
     state.check_model(body.model)
     inputs = state.engine.inputs
     if body.messages is not None:
-        tokens = inputs.apply_chat_template([m.as_dict() for m in body.messages])
+        messages = [m.as_dict() for m in body.messages]
+        tokens = await asyncio.to_thread(inputs.apply_chat_template, messages)
     elif body.prompt is not None:
-        tokens = inputs.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await asyncio.to_thread(inputs.encode, body.prompt, body.add_special_tokens)
     else:
         raise InvalidRequestError("prompt", "Give either prompt or messages.")
     return {"count": len(tokens), "max_model_len": state.engine.config.max_model_len, "tokens": tokens}
