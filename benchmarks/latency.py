@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.bench.latency import run_latency  # noqa: E402
 from pagedserve.memory import GiB, weight_bytes  # noqa: E402
 from pagedserve.model.cuda_gemv import CudaGemv  # noqa: E402
 from pagedserve.model.layers import use_gemv  # noqa: E402
@@ -52,7 +53,6 @@ def main() -> None:
     engine = llm.engine
     core = engine.core
     prompt = np.random.default_rng(0).integers(0, 500, ns.input_len).tolist()
-    params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
 
     gemvs = ns.gemv.split(",") if ns.gemv else [None]
@@ -67,7 +67,7 @@ def main() -> None:
     for gemv, segs, fuse in settings:
         if gemv is not None or segs is not None or fuse is not None:
             recapture(core.runner, gemv, segs, fuse)
-        measure(engine, prompt, params, ns.repeats)
+        measure(llm, ns.input_len, ns.output_len, ns.repeats)
         if ns.profile:
             profile_replays(core.runner)
         tokens = llm.generate([prompt], check, use_tqdm=False)[0].outputs[0].token_ids
@@ -112,9 +112,10 @@ def graph_ms(graph, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps
 
 
-def measure(engine, prompt: list[int], params: SamplingParams, repeats: int) -> None:
-    core = engine.core
-    phases = {"schedule": [], "execute": [], "update+outputs": []}
+def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
+    """`pagedserve bench latency` at one request, with the host time of each phase of a step."""
+    core = llm.engine.core
+    phases = {"schedule": [], "execute": []}
     sched, runner = core.scheduler, core.runner
     orig_schedule, orig_execute = sched.schedule, runner.execute
 
@@ -127,33 +128,22 @@ def measure(engine, prompt: list[int], params: SamplingParams, repeats: int) -> 
         return wrapper
 
     sched.schedule, runner.execute = timed(orig_schedule, "schedule"), timed(orig_execute, "execute")
-    itls, ttfts = [], []
-    for rep in range(repeats):
-        engine.add_request(f"r{time.monotonic_ns()}", prompt, params)
-        t0 = time.perf_counter()
-        stamps = []  # when each token reached the caller (a step returns the previous step's token)
-        while engine.has_unfinished_requests():
-            ts = time.perf_counter()
-            produced = engine.step()
-            now = time.perf_counter()
-            if produced:
-                stamps.append(now)
-            phases["update+outputs"].append(now - ts)
-        ttfts.append(stamps[0] - t0)
-        itls.extend(np.diff(stamps))
-    sched.schedule, runner.execute = orig_schedule, orig_execute
+    try:
+        result = run_latency(llm, input_len, output_len, batch_size=1, num_iters_warmup=0, num_iters=repeats,
+                             temperature=0.0)
+    finally:
+        sched.schedule, runner.execute = orig_schedule, orig_execute
     steps = len(phases["schedule"])
-    # schedule() runs on every call; execute() only on calls that launch a step
-    upd = np.array(phases["update+outputs"]).sum() - np.sum(phases["schedule"]) - np.sum(phases["execute"])
-    itl = np.array(itls) * 1000
-    print(f"TTFT: mean {np.mean(ttfts) * 1000:.1f} ms")
-    print(f"ITL: mean {itl.mean():.3f} ms, p50 {np.percentile(itl, 50):.3f} ms, p99 {np.percentile(itl, 99):.3f} ms")
+    step_wall = result["avg_latency"] * repeats / steps
+    print(f"TTFT: mean {result['mean_ttft_ms']:.1f} ms")
+    print(f"ITL: mean {result['mean_itl_ms']:.3f} ms, p50 {result['median_itl_ms']:.3f} ms, p99 {result['p99_itl_ms']:.3f} ms")
     if runner._graphs:  # GPU time of decode graph replays, at the context the last request left
         times = {bs: graph_ms(g) for bs, (g, _, _) in sorted(runner._graphs.items()) if bs <= 64}
         print("GPU time of one decode graph replay: " + ", ".join(f"bs={bs} {t:.3f} ms" for bs, t in times.items()))
     print(f"per step (mean over {steps} steps): schedule {np.mean(phases['schedule']) * 1e3:.3f} ms, "
-          f"execute (host: inputs + launch) {np.mean(phases['execute']) * 1e3:.3f} ms, "
-          f"wait for the previous step's token + update + detokenize {upd / steps * 1e3:.3f} ms")
+          f"execute (host: inputs + launch) {np.mean(phases['execute']) * 1e3:.3f} ms, the rest of the step's "
+          f"wall time (waiting for the previous step's token, update, detokenize) "
+          f"{(step_wall - np.mean(phases['schedule']) - np.mean(phases['execute'])) * 1e3:.3f} ms")
 
 
 def profile_replays(runner, reps: int = 20) -> None:

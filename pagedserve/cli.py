@@ -1,4 +1,4 @@
-"""The ``pagedserve`` command: ``generate`` (offline run), ``serve``, ``bench``, ``plan``, ``diagnose``.
+"""pagedserve: an LLM server with continuous batching over a paged KV cache, and the tools to size it.
 
 Engine flags are generated from ``EngineArgs``' fields, so the CLI, the offline API and the config
 validation share one list of names, defaults and help texts.
@@ -7,6 +7,7 @@ validation share one list of names, defaults and help texts.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import logging
 import sys
@@ -78,8 +79,13 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     """Offline generation: print the memory budget, then each completion, then throughput."""
     from pagedserve import LLM, SamplingParams
 
+    from pagedserve.model.tiny import TINY_MODEL_NAMES
+
     args = engine_args_from(ns)
     llm = LLM(**dataclasses.asdict(args))
+    if args.model in TINY_MODEL_NAMES:
+        print("The built-in tiny model has random weights: it shows the engine at work, not language (expect "
+              "gibberish). Pass a Hugging Face checkpoint folder for real text.\n")
     print("Memory budget:")
     for line in llm.memory_budget.report_lines():
         print("  " + line)
@@ -96,9 +102,42 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     print(f"\nGenerated {total} tokens for {len(outputs)} prompts in {elapsed:.2f} s ({total / elapsed:.1f} output tokens/s).")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, also for options without a help text (which argparse
+    would otherwise list bare)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A command with --config FILE takes the file's flags as its defaults, so that flags on the
+        command line still win (vLLM's --config)."""
+        ns, rest = super().parse_known_args(args, namespace)
+        path = getattr(ns, "config", None)
+        if path and any(a.dest == "config" for a in self._actions):
+            try:
+                self.set_defaults(**flags_from_file(path, self))
+            except ConfigError as e:
+                self.error(str(e))
+            ns, rest = super().parse_known_args(args, namespace)
+        return ns, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    import pagedserve
+
+    parser = Parser(prog="pagedserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"pagedserve {pagedserve.__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=Parser, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="Generate completions offline (default: the built-in tiny model).")
     add_engine_args(gen)
@@ -121,10 +160,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flags_from_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    """--config FILE: a YAML mapping of flag names (with - or _) to values, for ``parser``'s defaults."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(open(path))
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values.")
+    known = {a.dest for a in parser._actions}
+    values = {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(values) - known - {"config"})
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown flag(s) {', '.join(unknown)} for `pagedserve {parser.prog.split()[-1]}`.")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
-    ns.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in results, to re-run them
+    if ns.command is None:
+        parser.print_help()
+        return
+    ns.argv = argv  # recorded in results, to re-run them
     setup_logging(getattr(ns, "log_level", "INFO"))
     try:
         ns.func(ns)

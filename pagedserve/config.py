@@ -228,6 +228,8 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs.")
     tensor_parallel_size: int = _arg(1, "Number of GPUs to shard the model over.")
     attention_backend: str = _arg("auto", "Attention implementation: auto (triton on CUDA, torch elsewhere), triton, or torch (the reference).")
+    trust_remote_code: bool = _arg(False, "Accepted for vLLM compatibility, and refused: pagedserve never runs code from a model folder.")
+    quantization: str | None = _arg(None, "Accepted for vLLM compatibility: only none (16/32-bit weights) runs here; --kv-cache-dtype fp8 halves the KV cache.")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -237,6 +239,13 @@ class EngineArgs:
         """Resolve every default and validate every value; the one place config errors come from.
         ``plan_for="cuda"`` resolves as the engine would on a GPU that this machine need not have (the
         planner's case; weights are never read then)."""
+        if self.trust_remote_code:
+            raise ConfigError(f"{flag('trust_remote_code')}: pagedserve never runs code from a model folder; it serves "
+                              f"Llama, Mistral, Qwen2 and Qwen3 from config.json and the weights alone. Leave the "
+                              f"flag out.")
+        if self.quantization not in (None, "none"):
+            raise ConfigError(f"{flag('quantization')} {self.quantization}: quantized weights do not run here (only "
+                              f"16- and 32-bit weights do). To save memory, --kv-cache-dtype fp8 halves the KV cache.")
         if self.load_format not in _LOAD_FORMATS:
             raise ConfigError(f"{flag('load_format')}: {self.load_format!r} is not one of {', '.join(_LOAD_FORMATS)}.")
         source = resolve_model(self.model, "dummy" if plan_for else self.load_format)

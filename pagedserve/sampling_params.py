@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pagedserve.errors import InvalidRequestError
@@ -29,8 +30,8 @@ class SamplingParams:
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(param, f"{param} {why}, got {getattr(self, param)!r}.")
 
-        if self.n != 1:
-            raise bad("n", "must be 1 (parallel sampling is not supported)")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be a positive integer")
         if not self.temperature >= 0.0:
             raise bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
@@ -54,6 +55,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+
+    def child(self, index: int) -> "SamplingParams":
+        """The parameters of one of the ``n`` parallel samples: one sequence each, a seeded request's
+        children seeded apart (seed + index) so that they differ yet reproduce."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -130,7 +130,7 @@ def test_chat_applies_template(llm):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
     (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(logprobs=50), "logprobs"),
-    (dict(n=2), "n"), (dict(stop=[""]), "stop"),
+    (dict(n=0), "n"), (dict(stop=[""]), "stop"),
 ])
 def test_invalid_sampling_params(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:

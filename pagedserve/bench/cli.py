@@ -133,6 +133,21 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> None:
         print(f"Saved the result to {ns.output_json}")
 
 
+def cmd_bench_latency(ns: argparse.Namespace) -> None:
+    import dataclasses
+
+    from pagedserve import LLM
+    from pagedserve.bench.latency import format_result, run_latency
+    from pagedserve.cli import engine_args_from
+
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    result = run_latency(llm, ns.input_len, ns.output_len, ns.batch_size, ns.num_iters_warmup, ns.num_iters, ns.seed)
+    print(format_result(result))
+    if ns.output_json:
+        Path(ns.output_json).write_text(json.dumps(result, indent=2))
+        print(f"Saved the result to {ns.output_json}")
+
+
 def cmd_bench_quality(ns: argparse.Namespace) -> None:
     import dataclasses
 
@@ -192,8 +207,10 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
 def add_bench_parser(sub) -> None:
     from pagedserve.cli import add_engine_args
 
-    bench = sub.add_parser("bench", help="Benchmarks: serve (online, over HTTP) and throughput (offline).")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bench = sub.add_parser("bench", help="Benchmarks: serve and sweep (online, over HTTP), throughput and latency "
+                                         "(offline), quality (fp8 KV cache against 16-bit).")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    bench.set_defaults(func=lambda ns: bench.print_help())
 
     s = bsub.add_parser("serve", help="Online load test against an OpenAI-compatible server.")
     s.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port).")
@@ -238,6 +255,17 @@ def add_bench_parser(sub) -> None:
                         "flags given, on the rungs a sweep saved in DIR/sweep.json, and rewrite its artefacts.")
     add_ladder_args(w)
     w.set_defaults(func=cmd_bench_sweep)
+
+    lat = bsub.add_parser("latency", help="End-to-end latency of one batch, in-process (TTFT and ITL too).")
+    add_engine_args(lat, positional_model=False)
+    g = lat.add_argument_group("latency")
+    g.add_argument("--input-len", type=int, default=32)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--num-iters-warmup", type=int, default=10)
+    g.add_argument("--num-iters", type=int, default=30)
+    g.add_argument("--output-json", default=None)
+    lat.set_defaults(func=cmd_bench_latency)
 
     q = bsub.add_parser("quality", help="Compare greedy tokens and logprobs of a cheaper KV cache (fp8) with the "
                                         "16-bit one on fixed prompts, and give a verdict.")

@@ -26,11 +26,14 @@ class LLMEngine(EngineBase):
     """Everything in the caller's thread: add requests, then call ``step`` until none is unfinished."""
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
-        """``output_kind``: what each of this request's outputs from ``step`` holds."""
-        request, text = self.inputs.make_request(request_id, prompt, params)
-        self.outputs.add(request, text, output_kind)
-        self.core.add_request(request)
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[str]:
+        """Add the prompt's ``params.n`` requests; returns their ids (``request_id`` itself when n is 1).
+        ``output_kind``: what each of their outputs from ``step`` holds."""
+        made = self.inputs.make_requests(request_id, prompt, params)
+        for request, text in made:
+            self.outputs.add(request, text, output_kind)
+            self.core.add_request(request)
+        return [request.request_id for request, _ in made]
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.core.abort(request_ids)

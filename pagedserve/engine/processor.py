@@ -98,6 +98,16 @@ class InputProcessor:
         self.check_text(text, "messages")
         return tok.encode(text, add_special_tokens=False)
 
+    def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[tuple[Request, str | None]]:
+        """The ``params.n`` requests of one prompt (ids ``request_id`` when n is 1, else ``request_id-j``):
+        tokenized and checked once; with prefix caching the children share the prompt's KV blocks."""
+        if params.n == 1:
+            return [self.make_request(request_id, prompt, params)]
+        first, text = self.make_request(f"{request_id}-0", prompt, params.child(0))
+        return [(first, text)] + [
+            (Request(f"{request_id}-{j}", first.prompt_token_ids, params.child(j), self.eos_token_ids, first.max_tokens,
+                     arrival_time=first.arrival_time), text) for j in range(1, params.n)]
+
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                      arrival_time: float | None = None) -> tuple[Request, str | None]:
         if isinstance(prompt, str):
@@ -153,6 +163,7 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.states: dict[str, _State] = {}
+        self._pieces: dict[int, str] = {}  # token id -> decoded text, for logprobs (bounded by the vocabulary)
 
     def add(self, request: Request, prompt: str | None,
             kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
@@ -252,7 +263,13 @@ class OutputProcessor:
             st.text = full
 
     def _piece(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(token_id)
+        """A token's text as a client reads it (" and", not the BPE symbol "Ġand"), decoded once per id."""
+        if self.tokenizer is None:
+            return None
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self.tokenizer.decode([token_id])
+        return piece
 
     def _output(self, st: _State, finished: bool, text_from: int = 0, text_to: int | None = None,
                 tokens_from: int = 0) -> RequestOutput:

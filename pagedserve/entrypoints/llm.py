@@ -75,26 +75,34 @@ class LLM:
         return list(sampling_params)
 
     def _run(self, prompts, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        ids: list[str] = []
+        groups: list[list[str]] = []  # each prompt's request ids: n of them with parallel sampling
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, out_tokens = time.perf_counter(), 0
         try:
             for prompt, sp in zip(prompts, params):
-                rid = str(next(self._ids))
                 # only finished outputs are used: no per-step copies of each request's tokens
-                self.engine.add_request(rid, prompt, dataclasses.replace(sp), RequestOutputKind.FINAL_ONLY)
-                ids.append(rid)
+                groups.append(self.engine.add_request(str(next(self._ids)), prompt, dataclasses.replace(sp),
+                                                      RequestOutputKind.FINAL_ONLY))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
                         out_tokens += len(out.outputs[0].token_ids)
-                        bar.update(1)
+                        bar.update(1 / len(next(g for g in groups if out.request_id in g)))
                         bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
         except BaseException:
-            self.engine.abort_request([rid for rid in ids if rid not in done])
+            self.engine.abort_request([rid for g in groups for rid in g if rid not in done])
             raise
         finally:
             bar.close()
-        return [done[rid] for rid in ids]
+        return [_joined([done[rid] for rid in ids]) for ids in groups]
+
+
+def _joined(children: list[RequestOutput]) -> RequestOutput:
+    """One prompt's output: its n parallel samples as outputs 0..n-1 (vLLM's shape)."""
+    if len(children) == 1:
+        return children[0]
+    first = children[0]
+    outputs = [dataclasses.replace(c.outputs[0], index=j) for j, c in enumerate(children)]
+    return dataclasses.replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=outputs)

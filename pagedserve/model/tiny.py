@@ -94,7 +94,7 @@ def write_random_checkpoint(path: Path, hf_config: dict, *, seed: int = 0, std: 
     cfg = dict(hf_config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "architectures"})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config)  # float32: torch's default dtype
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -86,7 +86,13 @@ def add_serve_parser(sub) -> None:
                    help="A chat template (a file, or the template itself) used instead of the tokenizer's.")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="Render chat templates that requests send (a template is code: off by default).")
+    s.add_argument("--config", default=None, help="A YAML file of flags (names with - or _), as vLLM's; flags "
+                                                  "on the command line win.")
+    s.add_argument("--enable-log-requests", action="store_true", help="Log each request as it is admitted.")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="Accepted for vLLM compatibility: requests are not logged unless --enable-log-requests.")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--uvicorn-log-level", default="info", help="uvicorn's own log level.")
     s.add_argument("--disable-log-stats", action="store_true", help="No periodic throughput/queue/KV log line.")
     p.set_defaults(func=cmd_serve)
 
@@ -146,10 +152,11 @@ def build_server(ns: argparse.Namespace):
                               max_num_queued_reqs=ns.max_num_queued_reqs,
                               max_num_queued_tokens=ns.max_num_queued_tokens, shutdown_timeout=ns.shutdown_timeout,
                               log_stats_interval=0.0 if ns.disable_log_stats else 10.0, profiles=profiles,
-                              trust_request_chat_template=ns.trust_request_chat_template)
+                              trust_request_chat_template=ns.trust_request_chat_template,
+                              log_requests=ns.enable_log_requests)
     app = build_app(engine, settings)
     # uvicorn's own deadline comes after ours, so it finds every stream already ended
-    uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(),
+    uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),
                                timeout_graceful_shutdown=int(ns.shutdown_timeout) + 10, access_log=False)
     server = Server(uv_config, engine, ns.shutdown_timeout)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -15,6 +15,7 @@ from pagedserve.server.errors import APIError, unavailable
 from pagedserve.server.metrics import ServerMetrics
 
 INGRESS_LIMITS = ("max_num_queued_reqs", "max_num_queued_tokens", "max_input_tokens")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ServerSettings:
     profiles: object | None = None    # a validated ProfilesFile (pagedserve.tune.profiles)
     trust_request_chat_template: bool = False
     max_request_body_bytes: int = 64 * 2**20
+    log_requests: bool = False
 
 
 class Admission:
@@ -108,16 +110,19 @@ class ServerState:
         return name or self.served[0]
 
     async def start(self, base_id: str, prompts: list, params) -> list[AsyncIterator[RequestOutput]]:
-        """Validate every prompt and admit the call as a whole before starting any of its requests.
-        Tokenizing runs in a worker thread, so a long prompt never holds up the event loop."""
-        self.admission.check_room(len(prompts))  # a full server refuses before it tokenizes anything
+        """Validate every prompt and admit the call as a whole before starting any of its requests; the
+        streams come in output order (prompt i's j-th sample is output i * n + j). Tokenizing runs in a
+        worker thread, so a long prompt never holds up the event loop."""
+        self.admission.check_room(len(prompts) * params.n)  # a full server refuses before tokenizing anything
         inputs = self.engine.inputs
-        made = await asyncio.to_thread(lambda: [inputs.make_request(f"{base_id}-{i}", p, dataclasses.replace(params))
-                                                for i, p in enumerate(prompts)])
+        made = await asyncio.to_thread(lambda: [r for i, p in enumerate(prompts)
+                                                for r in inputs.make_requests(f"{base_id}-{i}", p, params)])
         lens = [req.num_prompt_tokens for req, _ in made]
         if self.degradation is not None:
             self.degradation.window.arrived(lens)
         self.admission.check(lens)
+        if self.settings.log_requests:
+            logger.info("Received request %s: %d prompt(s) of %s tokens, %s", base_id, len(lens), lens, params)
         return [self.engine.add(req, text) for req, text in made]
 
 

@@ -23,7 +23,7 @@ def cmd_diagnose(ns: argparse.Namespace) -> None:
     from pagedserve.tune.diagnose import diagnose, scrape_window
 
     samples = scrape_window(ns.url, ns.window, ns.interval)
-    result = diagnose(samples, ns.max_num_seqs)
+    result = diagnose(samples, ns.max_num_seqs, ns.url.rstrip("/"))
     print(json.dumps(dataclasses.asdict(result), indent=2) if ns.json else result.text())
 
 

@@ -58,7 +58,7 @@ def _mean(samples, key_sum, key_count) -> float | None:
     return (samples[-1][key_sum] - samples[0][key_sum]) / n if n > 0 else None
 
 
-def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None) -> Diagnosis:
+def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, url: str = "URL") -> Diagnosis:
     """Classify a window of scrapes (oldest first). An empty list means the server could not be read."""
     if not samples:
         return Diagnosis(1, "start-up failure: the server does not answer /metrics",
@@ -106,7 +106,10 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None) -
             why = "latency rises with no queue and memory free: batch token budget or CPU scheduling"
         return Diagnosis(3, f"latency rising with memory not full ({why})", change, evidence)
     return Diagnosis(None, "Healthy: no preemptions, KV cache below 90 %, no queue, latency flat",
-                     "nothing; to find the headroom run the concurrency ladder", evidence)
+                     f"nothing now; to find how much more load it takes, run the concurrency ladder against it: "
+                     f"`pagedserve bench sweep --base-url {url} --concurrency 1,2,4,8,16,32,64 "
+                     f"--random-input-len <your typical prompt> --random-output-len <your typical output>`",
+                     evidence)
 
 
 def scrape_window(url: str, seconds: float, interval: float = 1.0) -> list[dict[str, float]]:

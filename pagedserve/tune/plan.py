@@ -45,6 +45,7 @@ class Plan:
     budget: MemoryBudget
     cuda_graphs: int
     concurrency: dict[str, float]
+    tied_embeddings: bool
     failures: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -63,14 +64,18 @@ class Plan:
             rows += [("GPU", f"{self.gpu or 'custom'}: {fmt_bytes(b.device_total)} each, tensor parallel "
                              f"{self.tensor_parallel_size}"),
                      (f"Budget (x{b.utilization})", f"{fmt_bytes(b.requested)} per GPU; headroom {fmt_bytes(b.headroom)}")]
+        tied = " (tied embeddings counted once)" if self.tied_embeddings else ""
+        kv = (f"{fmt_bytes(b.kv_cache_bytes)} = {b.num_blocks:,} blocks of {b.block_size} = {b.kv_tokens:,} tokens "
+              f"({b.kv_source})" if b.kv_cache_bytes > 0 else
+              f"0 GiB: weights, activations and non-torch memory exceed the budget by {fmt_bytes(-b.kv_cache_bytes)} "
+              f"(see below)")
         rows += [
-            ("Weights", f"{fmt_bytes(b.weights)} per GPU (tied embeddings counted once)"),
+            ("Weights", f"{fmt_bytes(b.weights)} per GPU{tied}"),
             ("Activation peak", f"{fmt_bytes(b.activation_peak)} for {self.max_num_batched_tokens} tokens, "
                                 f"{self.max_num_seqs} sequences (estimate)"),
             ("Non-torch memory", f"{fmt_bytes(b.non_torch)} (estimate)"),
             ("KV per token / block", f"{b.bytes_per_token / 1024:.1f} KiB / {fmt_bytes(b.bytes_per_block)}"),
-            ("KV cache", f"{fmt_bytes(b.kv_cache_bytes)} = {b.num_blocks:,} blocks of {b.block_size} = "
-                         f"{b.kv_tokens:,} tokens ({b.kv_source})"),
+            ("KV cache", kv),
             ("CUDA graphs", f"{fmt_bytes(self.cuda_graphs)} (estimate; must fit in the headroom)"),
         ]
         rows += [(f"Max concurrency @ {k}", f"{v:.2f} requests") for k, v in self.concurrency.items()]
@@ -113,7 +118,7 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
     concurrency = {k: budget.max_concurrency(n) for k, n in lengths.items()}
     plan = Plan(args.model, gpu, tp, str(cfg.dtype).replace("torch.", ""), str(cfg.kv_dtype).replace("torch.", ""),
                 cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, budget, graphs, concurrency,
-                failures=budget.failures())
+                m.tie_word_embeddings, failures=budget.failures())
     if plan.failures:
         return plan
     if on_gpu and budget.headroom < graphs + WORKSPACE_HEADROOM:

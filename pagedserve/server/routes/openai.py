@@ -23,24 +23,24 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     params = body.sampling_params()
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await state.start(rid, body.prompts(), params)
+    offsets = [0] * len(streams)  # where each choice's next text starts (logprobs' text_offset)
 
     def choice(i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        return {"index": i, "text": c.text, "logprobs": _completion_logprobs(c, params.logprobs),
+        lp, offsets[i] = _completion_logprobs(c, params.logprobs, offsets[i])
+        return {"index": i, "text": c.text, "logprobs": lp,
                 "finish_reason": c.finish_reason if out.finished else None,
                 "stop_reason": c.stop_reason if out.finished else None}
 
     if body.stream:
         async def events():
             head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-            prompt_tokens, completion_tokens = 0, 0
+            usage = _Usage(params.n)
             async for i, out in merged(streams):
-                completion_tokens += len(out.outputs[0].token_ids)
-                if out.finished:
-                    prompt_tokens += len(out.prompt_token_ids)
+                usage.add(i, out)
                 yield {**head, "choices": [choice(i, out)]}
             if body.include_usage:
-                yield {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
+                yield {**head, "choices": [], "usage": usage.json()}
 
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
@@ -48,7 +48,7 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     if finals is None:
         return Response(status_code=499)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice(i, out) for i, out in enumerate(finals)], "usage": _usage_of(finals)}
+            "choices": [choice(i, out) for i, out in enumerate(finals)], "usage": _Usage.of(finals, params.n)}
 
 
 @router.post("/v1/chat/completions")
@@ -57,42 +57,42 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
     params = body.sampling_params()
     messages = [m.as_dict() for m in body.messages]
     template_args = body.template_args(state.settings.trust_request_chat_template)
-    state.admission.check_room(1)
+    state.admission.check_room(params.n)
     prompt = await asyncio.to_thread(state.engine.inputs.apply_chat_template, messages, **template_args)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await state.start(rid, [prompt], params)
     want_lp = params.logprobs is not None
 
+    def logprobs(c):
+        return _chat_logprobs(c, params.logprobs) if want_lp else None
+
     if body.stream:
         async def events():
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-            yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]}
-            completion_tokens, final = 0, None
-            async for _, out in merged(streams):
+            for j in range(len(streams)):
+                yield {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+            usage = _Usage(params.n)
+            async for j, out in merged(streams):
                 c = out.outputs[0]
-                completion_tokens += len(c.token_ids)
-                final = out if out.finished else None
+                usage.add(j, out)
                 yield {**head, "choices": [{
-                    "index": 0, "delta": {"content": c.text},
-                    "logprobs": _chat_logprobs(c, params.logprobs) if want_lp else None,
+                    "index": j, "delta": {"content": c.text}, "logprobs": logprobs(c),
                     "finish_reason": c.finish_reason if out.finished else None,
                     "stop_reason": c.stop_reason if out.finished else None}]}
-            if body.include_usage and final is not None:
-                yield {**head, "choices": [], "usage": _usage(len(final.prompt_token_ids), completion_tokens)}
+            if body.include_usage:
+                yield {**head, "choices": [], "usage": usage.json()}
 
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
     finals = await final_outputs(raw, streams)
     if finals is None:
         return Response(status_code=499)
-    out = finals[0]
-    c = out.outputs[0]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": _chat_logprobs(c, params.logprobs) if want_lp else None,
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
-            "usage": _usage_of([out])}
+    choices = [{"index": j, "message": {"role": "assistant", "content": out.outputs[0].text},
+                "logprobs": logprobs(out.outputs[0]), "finish_reason": out.outputs[0].finish_reason,
+                "stop_reason": out.outputs[0].stop_reason} for j, out in enumerate(finals)]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": _Usage.of(finals, params.n)}
 
 
 @router.get("/v1/models")
@@ -103,12 +103,26 @@ async def models(state: ServerState = Depends(server_state)):
          "root": config.source.name, "max_model_len": config.max_model_len} for name in state.served]}
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+class _Usage:
+    """Token usage of one call: a prompt counts once, however many samples (n) it has."""
 
+    def __init__(self, n: int):
+        self.n, self.prompts, self.completion = n, {}, 0
 
-def _usage_of(finals: list[RequestOutput]) -> dict:
-    return _usage(sum(len(o.prompt_token_ids) for o in finals), sum(len(o.outputs[0].token_ids) for o in finals))
+    def add(self, index: int, out: RequestOutput) -> None:
+        self.prompts[index // self.n] = len(out.prompt_token_ids)
+        self.completion += len(out.outputs[0].token_ids)
+
+    def json(self) -> dict:
+        prompt = sum(self.prompts.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion}
+
+    @classmethod
+    def of(cls, finals: list[RequestOutput], n: int) -> dict:
+        usage = cls(n)
+        for i, out in enumerate(finals):
+            usage.add(i, out)
+        return usage.json()
 
 
 def _top(entry: dict, n: int) -> list:
@@ -116,19 +130,30 @@ def _top(entry: dict, n: int) -> list:
     return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= n), key=lambda lp: lp.rank)
 
 
-def _completion_logprobs(c, n: int | None) -> dict | None:
+def _completion_logprobs(c, n: int | None, offset: int) -> tuple[dict | None, int]:
+    """OpenAI's completion logprobs and where the next token's text starts: offsets count the tokens' text
+    (a streamed chunk's text may hold back part of a character), continuing from ``offset``."""
     if c.logprobs is None:
-        return None
+        return None, offset
     pairs = list(zip(c.token_ids, c.logprobs))
-    return {"tokens": [e[t].decoded_token for t, e in pairs],
-            "token_logprobs": [e[t].logprob for t, e in pairs],
-            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, n)} for _, e in pairs]}
+    tokens = [e[t].decoded_token for t, e in pairs]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok or "")
+    return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in pairs], "text_offset": offsets,
+            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, n)} for _, e in pairs]}, offset
+
+
+def _utf8(token: str | None) -> list[int] | None:
+    return None if token is None else list(token.encode("utf-8", errors="replace"))
 
 
 def _chat_logprobs(c, n: int | None) -> dict | None:
     if c.logprobs is None:
         return None
     return {"content": [
-        {"token": e[t].decoded_token, "logprob": e[t].logprob,
-         "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob} for lp in _top(e, n)]}
+        {"token": e[t].decoded_token, "logprob": e[t].logprob, "bytes": _utf8(e[t].decoded_token),
+         "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": _utf8(lp.decoded_token)}
+                          for lp in _top(e, n)]}
         for t, e in zip(c.token_ids, c.logprobs)]}

@@ -1,0 +1,173 @@
+"""What a user of vLLM or of OpenAI's API expects: the command line, parallel sampling, logprobs in
+OpenAI's shape, chat-template options, `bench latency`, and the planner's and diagnose's wording."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.cli import main
+from pagedserve.config import EngineArgs
+from pagedserve.tune.diagnose import diagnose
+from pagedserve.tune.plan import make_plan
+from tests.serving import metric_values, running_server
+
+ENGINE = ("--kv-cache-memory", "16MiB", "--max-model-len", "1024")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(*ENGINE) as (url, app):
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_version_bare_commands_and_defaults_in_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("pagedserve ")
+    main([])
+    out = capsys.readouterr().out
+    assert "usage: pagedserve" in out and "serve" in out and "tune" in out
+    main(["bench"])
+    assert "sweep" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 8000)" in text and "(default: 0.9)" in text and "(default: None)" in text
+
+
+@pytest.mark.parametrize("flag, fragment", [
+    ("--trust-remote-code", "never runs code from a model folder"),
+    ("--quantization=awq", "quantized weights do not run here"),
+])
+def test_vllm_flags_that_cannot_apply_say_why(capsys, flag, fragment):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "tiny", *ENGINE, flag])
+    assert e.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_vllm_server_flags_and_a_config_file(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max-num-seqs: 6\nmax_num_batched_tokens: 96\nserved-model-name: [from-file]\n")
+    flags = (*ENGINE, "--config", str(cfg), "--max-num-seqs", "5", "--disable-log-requests", "--enable-log-requests",
+             "--uvicorn-log-level", "warning", "--max-num-queued-tokens", "4000")
+    with running_server(*flags) as (url, app):
+        sched = app.state.engine.core.scheduler
+        assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (5, 96)  # the command line wins over the file
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "from-file"
+        assert app.state.server.admission.limits["max_num_queued_tokens"] == 4000
+    cfg.write_text("max-num-sequences: 6\n")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "tiny", "--config", str(cfg)])
+    assert e.value.code == 2
+
+
+def test_parallel_sampling_with_the_openai_sdk(server):
+    url, client = server
+    prompt = "Continuous batching keeps the accelerator busy because"
+    c = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=12, temperature=1.0, seed=7,
+                                  extra_body={"ignore_eos": True})
+    assert [ch.index for ch in c.choices] == [0, 1, 2] and len({ch.text for ch in c.choices}) > 1
+    single = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=1.0, seed=7,
+                                       extra_body={"ignore_eos": True})
+    assert c.choices[0].text == single.choices[0].text  # child 0 keeps the seed, the others seed + index
+    assert c.usage.prompt_tokens == single.usage.prompt_tokens and c.usage.completion_tokens == 36
+    texts = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=12, temperature=1.0, seed=7,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert [texts[i] for i in range(3)] == [ch.text for ch in c.choices]
+    two = client.completions.create(model="tiny", prompt=["Hello", "Paris"], n=2, max_tokens=4, temperature=0)
+    assert [ch.index for ch in two.choices] == [0, 1, 2, 3] and two.choices[0].text == two.choices[1].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=5, temperature=0)
+    assert [ch.index for ch in chat.choices] == [0, 1] and chat.choices[0].message == chat.choices[1].message
+    streamed = {}
+    for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                                max_tokens=5, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == 10 and chunk.usage.prompt_tokens == chat.usage.prompt_tokens
+    assert streamed == {0: chat.choices[0].message.content, 1: chat.choices[1].message.content}
+
+
+def test_parallel_samples_share_the_prompt_blocks(server):
+    url, client = server
+    before = metric_values(url)
+    prompt = list(range(3, 103))  # 100 tokens: six full blocks of 16 the children share
+    r = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=4, temperature=0)
+    after = metric_values(url)
+    assert len({ch.text for ch in r.choices}) == 1  # greedy children agree
+    assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] >= 3 * 96
+    offline = LLM("tiny", kv_cache_memory="16MiB").generate(
+        [prompt], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=5), use_tqdm=False)[0]
+    assert [c.index for c in offline.outputs] == [0, 1] and offline.outputs[0].token_ids != offline.outputs[1].token_ids
+
+
+def test_logprobs_in_openai_shape(server):
+    url, client = server
+    c = client.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert not any(t.startswith("Ġ") for t in lp.tokens)  # decoded text, not byte-level BPE symbols
+    assert lp.text_offset[0] == 0 and all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    assert "".join(lp.tokens) == c.choices[0].text
+    streamed_offsets = [o for chunk in client.completions.create(
+        model="tiny", prompt="Hello world", max_tokens=8, temperature=0, logprobs=2, stream=True,
+        extra_body={"ignore_eos": True}) for o in chunk.choices[0].logprobs.text_offset]
+    assert streamed_offsets == lp.text_offset
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert all(alt.bytes == list(alt.token.encode("utf-8")) for alt in entry.top_logprobs)
+
+
+def test_chat_template_options(server):
+    url, _ = server
+
+    def prompt_tokens(**extra) -> int:
+        body = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}],
+                "max_tokens": 1, **extra}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    default = prompt_tokens()
+    plain = prompt_tokens(add_generation_prompt=False)
+    cont = prompt_tokens(add_generation_prompt=False, continue_final_message=True)
+    assert default > plain > cont  # the next turn's header; then the final message left open
+
+
+def test_bench_latency(tmp_path):
+    out = tmp_path / "lat.json"
+    main(["bench", "latency", "--model", "tiny", "--kv-cache-memory", "16MiB", "--input-len", "16", "--output-len",
+          "8", "--batch-size", "2", "--num-iters-warmup", "1", "--num-iters", "3", "--output-json", str(out)])
+    r = json.loads(out.read_text())
+    assert len(r["latencies"]) == 3 and r["avg_latency"] == pytest.approx(sum(r["latencies"]) / 3)
+    assert set(r["percentiles"]) == {"10", "25", "50", "75", "90", "99"} and r["mean_itl_ms"] > 0
+
+
+def test_plan_wording():
+    tight = make_plan(EngineArgs(model="Qwen/Qwen3-8B", gpu_memory_utilization=0.5, max_model_len=8192), gpu="RTX-4090")
+    table = tight.table()
+    assert "KV cache" in table and "exceed the budget by" in table and "-" not in table.split("KV cache")[2][:40]
+    assert "tied embeddings" not in table  # Qwen3-8B has its own lm_head
+    small = make_plan(EngineArgs(model="Qwen/Qwen3-0.6B", max_model_len=8192), gpu="H100-80GB").table()
+    assert "(tied embeddings counted once)" in small
+
+
+def test_diagnose_names_the_next_command_and_generate_says_the_tiny_model_is_random(capsys):
+    healthy = [{"t": 0.0, "running": 1, "waiting": 0, "kv_usage": 0.1, "preemptions": 0},
+               {"t": 10.0, "running": 1, "waiting": 0, "kv_usage": 0.1, "preemptions": 0}]
+    d = diagnose(healthy, url="http://10.0.0.5:8000")
+    assert "pagedserve bench sweep --base-url http://10.0.0.5:8000" in d.first_change
+    main(["generate", "--kv-cache-memory", "16MiB", "--max-tokens", "4", "--prompt", "Hi"])
+    assert "random weights" in capsys.readouterr().out
