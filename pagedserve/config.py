@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -146,8 +147,8 @@ class ModelSource:
 
 
 def resolve_model(model: str, load_format: str) -> ModelSource:
-    from pagedserve.model.known_models import KNOWN_MODELS
-    from pagedserve.model.tiny import TINY_MODEL_NAMES, ensure_tiny_model
+    from pagedserve.builtin.known_models import KNOWN_MODELS
+    from pagedserve.builtin.tiny import TINY_MODEL_NAMES, ensure_tiny_model
 
     if model in TINY_MODEL_NAMES:
         path = ensure_tiny_model()
@@ -262,6 +263,10 @@ class EngineArgs:
                 f"{flag('tensor_parallel_size')}: {size} must be >= 1 and divide the {m.num_heads} attention heads, "
                 f"the MLP width {m.intermediate_size} and the vocabulary {m.vocab_size}, and divide or be a "
                 f"multiple of the {m.num_kv_heads} KV heads.")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"{flag('attention_backend')}: {self.attention_backend!r} is not one of auto, torch, triton.")
+        if self.attention_backend == "triton" and importlib.util.find_spec("triton") is None:
+            raise ConfigError(f"{flag('attention_backend')}: triton is not installed; use --attention-backend torch.")
         if self.block_size not in _BLOCK_SIZES:
             raise ConfigError(f"{flag('block_size')}: {self.block_size} is not one of {_BLOCK_SIZES}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

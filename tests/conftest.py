@@ -37,7 +37,7 @@ ARCH_CONFIGS = {
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """One checkpoint folder per architecture (written by transformers' save_pretrained)."""
-    from pagedserve.model.tiny import write_random_checkpoint
+    from pagedserve.builtin.tiny import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     return {name: write_random_checkpoint(root / name, cfg, seed=i) for i, (name, cfg) in enumerate(ARCH_CONFIGS.items())}
@@ -45,6 +45,6 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
-    from pagedserve.model.tiny import ensure_tiny_model
+    from pagedserve.builtin.tiny import ensure_tiny_model
 
     return ensure_tiny_model()

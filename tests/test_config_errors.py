@@ -9,7 +9,7 @@ from pagedserve import LLM
 from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.errors import ConfigError
 from pagedserve.memory import GiB, compute_budget
-from pagedserve.model.known_models import KNOWN_MODELS
+from pagedserve.builtin.known_models import KNOWN_MODELS
 
 
 def config_error(**kwargs) -> str:

@@ -10,7 +10,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.errors import ConfigError
-from pagedserve.model.tiny import write_random_checkpoint
+from pagedserve.builtin.tiny import write_random_checkpoint
 from tests.conftest import ARCH_CONFIGS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -28,7 +28,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path, checkpoints):
 @pytest.mark.parametrize("dtype, torch_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
 def test_half_dtypes_load_and_run(dtype, torch_dtype, checkpoints):
     llm = LLM(str(checkpoints["llama"]), dtype=dtype, kv_cache_memory="4MiB")
-    assert next(llm.engine.core.runner.model.parameters()).dtype == torch_dtype
+    assert next(llm.engine.core.worker.runner.model.parameters()).dtype == torch_dtype
     out = llm.generate(["Hello"], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 12
 
@@ -69,6 +69,6 @@ def test_unsupported_architecture(tmp_path):
 
 def test_dummy_weights_of_a_real_architecture():
     llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", num_gpu_blocks_override=16, max_model_len=256, dtype="bfloat16")
-    params = sum(p.numel() for p in llm.engine.core.runner.model.parameters())
+    params = sum(p.numel() for p in llm.engine.core.worker.runner.model.parameters())
     assert params == llm.engine.config.model.num_params()  # tied embeddings counted once
     assert 0.59e9 < params < 0.61e9

@@ -277,7 +277,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero():
 def test_seed_documents_serve_command_parses_and_resolves():
     """The seed document's command (with --load-format dummy) resolves to the config it asks for; starting
     it needs an 8B model's memory, which the GPU benchmarks do (docs/benchmarks.md)."""
-    from pagedserve.cli import build_parser, engine_args_from
+    from pagedserve.args import engine_args_from
+    from pagedserve.cli import build_parser
 
     ns = build_parser().parse_args(
         ["serve", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "0.88", "--max-model-len", "8192", "--max-num-seqs",

@@ -116,7 +116,7 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> None:
     from pagedserve import LLM
     from pagedserve.bench.datasets import load_dataset
     from pagedserve.bench.throughput import run_throughput
-    from pagedserve.cli import engine_args_from
+    from pagedserve.args import engine_args_from
 
     args = engine_args_from(ns)
     llm = LLM(**dataclasses.asdict(args))
@@ -138,7 +138,7 @@ def cmd_bench_latency(ns: argparse.Namespace) -> None:
 
     from pagedserve import LLM
     from pagedserve.bench.latency import format_result, run_latency
-    from pagedserve.cli import engine_args_from
+    from pagedserve.args import engine_args_from
 
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     result = run_latency(llm, ns.input_len, ns.output_len, ns.batch_size, ns.num_iters_warmup, ns.num_iters, ns.seed)
@@ -152,7 +152,7 @@ def cmd_bench_quality(ns: argparse.Namespace) -> None:
     import dataclasses
 
     from pagedserve.bench.quality import run_quality
-    from pagedserve.cli import engine_args_from
+    from pagedserve.args import engine_args_from
 
     result = run_quality(engine_args_from(ns), ns.reference_kv_cache_dtype, ns.num_prompts, ns.max_tokens,
                          ns.top_logprobs, ns.min_agreement, ns.max_logprob_diff)
@@ -205,7 +205,7 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    from pagedserve.cli import add_engine_args
+    from pagedserve.args import add_engine_args
 
     bench = sub.add_parser("bench", help="Benchmarks: serve and sweep (online, over HTTP), throughput and latency "
                                          "(offline), quality (fp8 KV cache against 16-bit).")

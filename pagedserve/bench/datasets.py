@@ -26,7 +26,7 @@ class SampleRequest:
 def client_tokenizer(tokenizer: str | None, model: str | None):
     """The tokenizer a benchmark client counts and makes text prompts with: ``tokenizer``, else the model
     if it is a local folder (or the built-in tiny model); None when there is none (token-id prompts)."""
-    from pagedserve.model.tiny import TINY_MODEL_NAMES, ensure_tiny_model
+    from pagedserve.builtin.tiny import TINY_MODEL_NAMES, ensure_tiny_model
 
     path = tokenizer or model
     if path in TINY_MODEL_NAMES:

@@ -40,9 +40,11 @@ def serve_flags(serve_args: str) -> list[str]:
 
 
 def check_serve_flags(model: str, flags: list[str]) -> None:
-    from pagedserve.cli import build_parser
+    from pagedserve.args import Parser
+    from pagedserve.server.cli import add_serve_parser
 
-    parser = build_parser()
+    parser = Parser(prog="pagedserve")
+    add_serve_parser(parser.add_subparsers())
     try:
         parser.parse_args(["serve", model, *flags])
     except SystemExit as e:  # argparse has printed which flag is wrong

@@ -61,7 +61,7 @@ class Server(uvicorn.Server):
 
 
 def add_serve_parser(sub) -> None:
-    from pagedserve.cli import add_engine_args
+    from pagedserve.args import add_engine_args
 
     p = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
     add_engine_args(p)
@@ -120,7 +120,7 @@ def load_chat_template(value: str | None) -> str | None:
 
 def build_server(ns: argparse.Namespace):
     """The engine, the app and a configured uvicorn server (not yet running)."""
-    from pagedserve.cli import engine_args_from
+    from pagedserve.args import engine_args_from
     from pagedserve.errors import ConfigError
     from pagedserve.server.app import build_app
     from pagedserve.server.state import ServerSettings

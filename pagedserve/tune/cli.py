@@ -9,7 +9,7 @@ import sys
 
 
 def cmd_plan(ns: argparse.Namespace) -> None:
-    from pagedserve.cli import engine_args_from
+    from pagedserve.args import engine_args_from
     from pagedserve.tune.plan import make_plan
 
     plan = make_plan(engine_args_from(ns), gpu=ns.gpu, gpu_memory_gib=ns.gpu_memory, input_len=ns.input_len,
@@ -63,7 +63,7 @@ def memory_plan(args, gpu: tuple[int, str] | None) -> tuple[str, str]:
 def cmd_tune(ns: argparse.Namespace) -> None:
     """Plan, measure the ladder, pick the recommendation, and write profiles, runbook and alerts."""
     from pagedserve.bench.sweep import plan_from, result_dir, run_sweep
-    from pagedserve.cli import engine_args_from, engine_flags
+    from pagedserve.args import engine_args_from, engine_flags
     from pagedserve.tune.derive import derive
     from pagedserve.tune.profiles import check_against_engine, dump_profiles
     from pagedserve.tune.runbook import alert_rules, runbook
@@ -103,7 +103,7 @@ def cmd_tune(ns: argparse.Namespace) -> None:
 
 
 def add_tune_parsers(sub) -> None:
-    from pagedserve.cli import add_engine_args
+    from pagedserve.args import add_engine_args
     from pagedserve.tune.plan import GPU_PRESETS
 
     p = sub.add_parser("plan", help="The memory budget of a configuration, without a GPU.")

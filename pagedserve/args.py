@@ -1,0 +1,112 @@
+"""Command-line pieces every subcommand shares: engine flags generated from ``EngineArgs`` (so the CLI,
+the offline API and config validation share one list of names, defaults and help), the parser class
+(every default shown; ``--config FILE``), and logging."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import logging
+import sys
+import typing
+
+from pagedserve.config import EngineArgs
+from pagedserve.errors import ConfigError
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        help_text = f.metadata["help"]
+        if f.name == "model":
+            if positional_model:
+                parser.add_argument("model", nargs="?", default=f.default, help=help_text)
+            else:
+                group.add_argument("--model", default=f.default, help=help_text)
+            continue
+        name = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            group.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif f.metadata.get("size"):
+            group.add_argument(name, default=f.default, help=help_text)  # parsed (8k, 4GiB) by EngineArgs
+        else:
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            group.add_argument(name, type=base, default=f.default, help=help_text)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def engine_flags(args: EngineArgs) -> list[str]:
+    """The command-line flags that give ``args`` (those that differ from the defaults), for a server that a
+    command starts with the engine it was asked about."""
+    flags = []
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(args, f.name)
+        if f.name == "model" or value == f.default:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(name if value else "--no-" + name[2:])
+        else:
+            flags += [name, str(value)]
+    return flags
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                        datefmt="%m-%d %H:%M:%S", stream=sys.stderr)
+    for chatty in ("httpx", "matplotlib"):  # a line per HTTP call or font scan drowns our own output
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, also for options without a help text (which argparse
+    would otherwise list bare)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A command with --config FILE takes the file's flags as its defaults, so that flags on the
+        command line still win (vLLM's --config)."""
+        ns, rest = super().parse_known_args(args, namespace)
+        path = getattr(ns, "config", None)
+        if path and any(a.dest == "config" for a in self._actions):
+            try:
+                self.set_defaults(**flags_from_file(path, self))
+            except ConfigError as e:
+                self.error(str(e))
+            ns, rest = super().parse_known_args(args, namespace)
+        return ns, rest
+
+
+def flags_from_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    """--config FILE: a YAML mapping of flag names (with - or _) to values, for ``parser``'s defaults."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(open(path))
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values.")
+    known = {a.dest for a in parser._actions}
+    values = {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(values) - known - {"config"})
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown flag(s) {', '.join(unknown)} for `pagedserve {parser.prog.split()[-1]}`.")
+    return values
