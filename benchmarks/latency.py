@@ -66,10 +66,10 @@ def main() -> None:
     settings = list(itertools.product(gemvs, segments, fused))
     for gemv, segs, fuse in settings:
         if gemv is not None or segs is not None or fuse is not None:
-            recapture(core.runner, gemv, segs, fuse)
+            recapture(core.worker.runner, gemv, segs, fuse)
         measure(llm, ns.input_len, ns.output_len, ns.repeats)
         if ns.profile:
-            profile_replays(core.runner)
+            profile_replays(core.worker.runner)
         tokens = llm.generate([prompt], check, use_tqdm=False)[0].outputs[0].token_ids
         first = first or tokens
         if len(settings) > 1:
@@ -94,7 +94,7 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None) -> 
     runner._graphs.clear()
     gc.collect()
     torch.cuda.empty_cache()
-    runner._capture_decode_graphs()
+    runner.capture_decode_graphs()
     print(f"\n-- one-row projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
           f"segments, fused decode {'as configured' if fuse is None else 'on' if fuse else 'off'}")
 
@@ -116,7 +116,7 @@ def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
     """`pagedserve bench latency` at one request, with the host time of each phase of a step."""
     core = llm.engine.core
     phases = {"schedule": [], "execute": []}
-    sched, runner = core.scheduler, core.runner
+    sched, runner = core.scheduler, core.worker.runner
     orig_schedule, orig_execute = sched.schedule, runner.execute
 
     def timed(fn, key):

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.model.known_models import KNOWN_MODELS  # noqa: E402
+from pagedserve.builtin.known_models import KNOWN_MODELS  # noqa: E402
 
 
 def workload(ns):
@@ -98,11 +98,11 @@ def run_ours(model, prompts, outs, ns) -> dict:
         for key in keys:
             print(f"compiled inside the timed run: {name} {str(key)[:600]}", file=sys.stderr)
     tokens = sum(len(r.outputs[0].token_ids) for r in res)
-    budget = core.runner.budget
+    budget = core.worker.budget
     out = {"engine": "pagedserve", "output_tokens": tokens, "seconds": dt, "output_tok_per_s": tokens / dt,
            "total_tok_per_s": (tokens + sum(map(len, prompts))) / dt, "init_seconds": init,
            "steps": core.counters.num_steps - steps0, "preemptions": core.counters.num_preemptions - pre,
-           "kv_cache_tokens": budget.kv_tokens, "peak_memory_gib": core.runner.device_memory()[1] / 2**30,
+           "kv_cache_tokens": budget.kv_tokens, "peak_memory_gib": core.worker.device_memory()[1] / 2**30,
            "kernel_variants_compiled_in_run": {k: len(v) for k, v in compiled.items() if v},
            **summarize_steps(steps)}
     del llm, core
@@ -166,7 +166,7 @@ def main() -> None:
     results = []
     if ns.hf_peer:
         # one set of random weights, written once as an HF checkpoint, read by both engines
-        from pagedserve.model.tiny import write_random_checkpoint
+        from pagedserve.builtin.tiny import write_random_checkpoint
 
         folder = Path(tempfile.mkdtemp()) / "ckpt"
         cfg = {**KNOWN_MODELS[ns.model], "torch_dtype": "bfloat16"}

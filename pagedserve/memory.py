@@ -156,3 +156,13 @@ def compute_budget(*, model: ModelConfig, kv_dtype: torch.dtype, block_size: int
         kv_bytes = int(device_total * utilization) - weights - activation_peak - non_torch
     return MemoryBudget(source, device_total, utilization, weights, activation_peak, non_torch, kv_bytes,
                         per_token, block_size, max(0, kv_bytes // per_block), max_model_len)
+
+
+def check_free_memory(free: int, total: int, config) -> None:
+    """At start-up the device must have the budget free: what other processes hold is not ours to take."""
+    requested = total * config.args.gpu_memory_utilization
+    if config.kv_cache_memory is None and free < requested:
+        raise ConfigError(
+            f"Free memory on the device ({free / GiB:.2f}/{total / GiB:.2f} GiB) at start-up is less than the "
+            f"budget --gpu-memory-utilization {config.args.gpu_memory_utilization} asks for ({requested / GiB:.2f} "
+            f"GiB). Lower --gpu-memory-utilization or free memory used by other processes.")

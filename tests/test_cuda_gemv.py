@@ -43,7 +43,7 @@ def test_projections_fall_back_to_f_linear():
 
 
 def test_use_gemv_reaches_every_projection():
-    model = LLM("tiny", max_model_len=64, max_num_seqs=2).engine.core.runner.model
+    model = LLM("tiny", max_model_len=64, max_num_seqs=2).engine.core.worker.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * model.config.num_layers + 1 and all(m.gemv is None for m in linears)
     g = CudaGemv(CPU)

@@ -169,7 +169,7 @@ def test_out_of_memory_in_a_step_names_the_flags(monkeypatch):
     def oom(*_):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(llm.engine.core.runner, "execute", oom)
+    monkeypatch.setattr(llm.engine.core.worker, "execute", oom)
     with pytest.raises(DeviceOOMError) as e:
         llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
     msg = str(e.value)
@@ -235,7 +235,7 @@ def test_engine_start_freezes_its_heap_and_a_dropped_engine_frees_its_tensors():
     llm = LLM("tiny", kv_cache_memory="2MiB", max_model_len=64)
     # start-up's objects are frozen: a full collection walks only what came after
     assert gc.get_freeze_count() > 10 * len(gc.get_objects())
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.worker.runner
     refs = [weakref.ref(runner), weakref.ref(runner.kv_caches[0]), weakref.ref(next(runner.model.parameters()))]
     out = llm.generate(["Hello"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3

@@ -183,18 +183,18 @@ def _stream(url: str, prompt, max_tokens: int) -> tuple[list[dict], str]:
 def test_a_failing_step_fails_its_requests_alone(server):
     url, app = server
     engine = app.state.engine
-    runner = engine.core.runner
-    original = runner.execute
+    worker = engine.core.worker
+    original = worker.execute
     doomed = [7, 7, 7, 7, 7, 99]
 
-    def execute(sched, pool):  # a step holding the doomed prompt raises, once
-        if any(it.request.prompt_token_ids == doomed for it in sched.scheduled) and not execute.fired:
+    def execute(inp, sampling):  # a step holding the doomed prompt (its token 99) raises, once
+        if 99 in inp.ids and not execute.fired:
             execute.fired = True
             raise RuntimeError("injected step failure")
-        return original(sched, pool)
+        return original(inp, sampling)
 
     execute.fired = False
-    runner.execute = execute
+    worker.execute = execute
     try:
         good = threading.Thread(target=lambda: results.append(_stream(url, [5, 6, 7], 300)))
         results: list = []
@@ -203,7 +203,7 @@ def test_a_failing_step_fails_its_requests_alone(server):
         frames, last = _stream(url, doomed, 50)
         good.join()
     finally:
-        runner.execute = original
+        worker.execute = original
     assert execute.fired and last == "data: [DONE]"
     assert frames[-1]["error"]["message"] == "RuntimeError: injected step failure"
     assert frames[-1]["error"]["code"] == 500
@@ -245,10 +245,10 @@ def test_a_dead_engine_fails_everything_and_stops_the_server_with_status_1():
     with running_server(*ENGINE) as (url, app):
         engine, server = app.state.engine, app.state.uvicorn
 
-        def broken(sched, pool):
+        def broken(inp, sampling):
             raise RuntimeError("device lost")
 
-        engine.core.runner.execute = broken
+        engine.core.worker.execute = broken
         # one failed step fails its request alone; consecutive failures mean the device is gone
         statuses = [post(url, CMPL, {"prompt": [1, 2], "max_tokens": 4}) for _ in range(MAX_FAILED_STEPS)]
         assert [r.status_code for r in statuses] == [500] * (MAX_FAILED_STEPS - 1) + [503]

@@ -19,7 +19,7 @@ def test_two_ranks_match_one(arch, checkpoints):
     llm = LLM(str(checkpoints[arch]), tensor_parallel_size=2, **kw)
     try:
         sharded = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        runner = llm.engine.core.runner
+        runner = llm.engine.core.worker.runner
         assert runner.num_kv_heads == 1 and runner.model.lm_head.weight.shape[0] == 384 // 2
     finally:
         llm.shutdown()
@@ -40,7 +40,7 @@ def test_server_with_two_ranks_serves_and_stops():
         r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0,
                                                       "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
-        workers = list(app.state.engine.core.runner._workers)
+        workers = list(app.state.engine.core.worker._ranks)
         assert len(workers) == 1 and workers[0].is_alive()
     workers[0].join(timeout=30)
     assert not workers[0].is_alive()  # shut down with the server

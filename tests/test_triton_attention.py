@@ -197,7 +197,7 @@ def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
     monkeypatch.setattr(TritonAttentionBackend, "_launch", spy)
     monkeypatch.setattr(TritonAttentionBackend, "_fused_decode", spy_fused)
     llm = LLM("tiny", attention_backend="triton", kv_cache_memory="4MiB", max_model_len=2048)
-    backend = llm.engine.core.runner.backend
+    backend = llm.engine.core.worker.runner.backend
     top = backend.decode_segments(1, 2048)
     assert top == 16  # 2 KV heads, 2048 keys: sixteen segments of one 128-key tile for one long decode
     decode_splits = {segs for block_q, segs in launched if block_q == 1}

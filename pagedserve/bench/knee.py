@@ -26,7 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from pagedserve.errors import ConfigError
-from pagedserve.tune.diagnose import KV_FULL
+from pagedserve.bench.metrics import KV_FULL
 
 SIGNALS = ("throughput", "latency", "preemption", "kv_cache", "failures", "slo", "kneedle")
 DEFAULT_SIGNALS = SIGNALS[:-1]

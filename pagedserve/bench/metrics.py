@@ -27,6 +27,7 @@ class RequestResult:
 
 
 METRIC_KEYS = ("ttft", "tpot", "itl", "e2el")
+KV_FULL = 0.90  # KV-cache usage at which preemption is one burst away (gateways use 0.8-0.9)
 
 
 def scrape_values(text: str, names: dict[str, str]) -> dict[str, float]:

@@ -30,5 +30,5 @@ def run_throughput(llm, samples: list[SampleRequest], use_tqdm: bool = True) -> 
         "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
         "num_preemptions": core.counters.num_preemptions,
-        "peak_device_memory_bytes": core.runner.device_memory()[1],
+        "peak_device_memory_bytes": core.worker.device_memory()[1],
     }

@@ -22,7 +22,9 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from pagedserve.model.runner import ModelRunner, PendingSamples
+from pagedserve.engine.step_builder import StepBuilder
+from pagedserve.model.runner import PendingSamples
+from pagedserve.model.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +81,14 @@ class EngineCounters:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, worker=None):
+        """``worker``: what executes the steps (default: a ``Worker`` on the configured device); anything
+        with its ``budget``, ``execute``, ``device_memory``, ``reset_peak_memory`` and ``shutdown`` will do."""
         t0 = time.perf_counter()
         self.config = config
-        self.runner = ModelRunner(config)
-        budget = self.runner.budget
+        self.worker = worker if worker is not None else Worker(config)
+        self.builder = StepBuilder(config.block_size, config.model.vocab_size, config.args.seed)
+        budget = self.worker.budget
         self.pool = BlockPool(budget.num_blocks, config.block_size, config.blocks_per_max_len_request,
                               config.args.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
@@ -98,8 +103,8 @@ class EngineCore:
         logger.info("init engine (load model, size KV cache) took %.2f seconds", time.perf_counter() - t0)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker ranks, if any."""
-        self.runner.shutdown()
+        """Stop the tensor-parallel ranks, if any."""
+        self.worker.shutdown()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -118,7 +123,7 @@ class EngineCore:
         sched = self.scheduler
         self.peaks = EnginePeaks()
         self.peaks.observe(len(sched.running), len(sched.waiting), self.pool.usage)
-        self.runner.reset_peak_memory()
+        self.worker.reset_peak_memory()
         return ended
 
     def abort(self, request_ids) -> list[CoreOutput]:
@@ -134,6 +139,7 @@ class EngineCore:
         error, so that they free their blocks and nothing waits on their tokens; the others go on."""
         ids = {it.request.request_id for sched in self._uncollected for it in sched.scheduled}
         self._in_flight, self._uncollected = None, []
+        self.builder.forget()
         finished = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         why = f"{type(error).__name__}: {error}"
         return [CoreOutput(r.request_id, None, "abort", num_preemptions=r.num_preemptions, error=why)
@@ -160,7 +166,7 @@ class EngineCore:
 
     def _launch(self, sched: SchedulerOutput) -> PendingSamples | None:
         try:
-            return self.runner.execute(sched, self.pool)
+            return self.worker.execute(*self.builder.build(sched, self.pool))
         except torch.OutOfMemoryError as e:
             raise DeviceOOMError(
                 f"Out of device memory in a step of {sched.total_tokens} tokens over {len(sched.scheduled)} "

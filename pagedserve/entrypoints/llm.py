@@ -35,7 +35,7 @@ class LLM:
 
     @property
     def memory_budget(self):
-        return self.engine.core.runner.budget
+        return self.engine.core.worker.budget
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -19,8 +19,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.config import flag
-from pagedserve.errors import ConfigError
 
 
 @dataclass
@@ -147,20 +145,3 @@ class TorchAttentionBackend:
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=st.mask, scale=scale,
                                              enable_gqa=q.shape[1] != keys.shape[1])
         return out.transpose(1, 2)[st.query_valid]                     # [T, Hq, D]
-
-
-def get_attention_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> AttentionBackend:
-    """auto: Triton kernels on CUDA, the torch reference elsewhere."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        try:
-            from pagedserve.model.fused import sm_count
-            from pagedserve.model.triton_attention import TritonAttentionBackend
-        except ImportError as e:
-            raise ConfigError(f"{flag('attention_backend')}: triton is not installed ({e}).") from e
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sm_count(device))
-    raise ConfigError(f"{flag('attention_backend')}: {name!r} is not one of auto, torch, triton.")

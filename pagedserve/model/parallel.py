@@ -3,13 +3,12 @@
 Megatron-style sharding: q/k/v, gate/up and the vocabulary are split by rows (each rank holds a slice
 of the heads, the MLP width and the vocabulary); o_proj and down_proj are split by columns and their
 partial outputs are summed with an all-reduce. Rank 0 runs the whole engine and broadcasts each step's
-inputs; ranks 1..N-1 only run forward passes (``worker_main``). NCCL on GPUs, gloo on CPU.
+inputs; ranks 1..N-1 only run forward passes (``worker.worker_main``). NCCL on GPUs, gloo on CPU.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -82,22 +81,3 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
-
-
-def worker_main(args, rank: int, size: int, port: int) -> None:
-    """A rank > 0: build the same runner, then run every step rank 0 broadcasts until it sends None."""
-    from pagedserve.model.runner import ModelRunner
-
-    if torch.cuda.is_available() and args.device in ("auto", "cuda"):
-        torch.cuda.set_device(rank)
-    config = args.create_config()
-    runner = ModelRunner(config, rank=rank, port=port)
-    try:
-        while True:
-            inputs = broadcast_object()
-            if inputs is None:
-                break
-            runner.forward(inputs)
-    finally:
-        destroy_group()
-        os._exit(0)  # skip interpreter teardown in a forked-off rank (no atexit hooks to run)

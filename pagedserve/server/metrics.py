@@ -67,7 +67,7 @@ class _EngineCollector:
     def collect(self):
         core = self.engine.core
         stats, counters = core.last_stats, core.counters
-        in_use, peak = core.runner.device_memory()
+        in_use, peak = core.worker.device_memory()
         g, c = GaugeMetricFamily, CounterMetricFamily
         yield self._family(g, "vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
         yield self._family(g, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
@@ -129,7 +129,7 @@ class _EngineCollector:
         for reason, n in self.server_state.finished.items():
             success.add_metric([*self.labels.values(), reason], n)
         yield success
-        budget = core.runner.budget
+        budget = core.worker.budget
         info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
                                  labels=["block_size", "num_gpu_blocks", "cache_dtype", "gpu_memory_utilization"])
         info.add_metric([str(budget.block_size), str(budget.num_blocks), str(core.config.kv_dtype).replace("torch.", ""),

@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-KV_FULL = 0.90          # KV usage above this is pressure (gateways use 0.8-0.9)
+from pagedserve.bench.metrics import KV_FULL, scrape_values
+
 RISING = 1.5            # second-half mean latency over first-half mean that counts as "rising"
 
 _NAMES = {
@@ -34,8 +35,6 @@ _NAMES = {
 
 def parse_sample(text: str, t: float) -> dict[str, float]:
     """The metrics diagnose reads from one scrape, summed over label sets, with its time."""
-    from pagedserve.bench.metrics import scrape_values
-
     return {"t": t, **scrape_values(text, _NAMES)}
 
 

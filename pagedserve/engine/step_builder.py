@@ -1,0 +1,85 @@
+"""From the scheduler's decision to the arrays the model consumes (``model.step``): token ids, positions,
+cache slots, block tables, and each sampling row's parameters and noise key.
+
+One step is in flight while the next is built: a request whose input token the previous step is still
+sampling gets a placeholder and an entry in ``fill_rows``/``fill_from``, and the model takes the value
+from that step's samples on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedserve.engine.block_pool import BlockPool
+from pagedserve.engine.request import Request
+from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.model.step import SamplingInputs, StepInputs
+
+_SEED_MASK = (1 << 63) - 1  # noise keys are non-negative int64
+# a temperature this high already samples uniformly at float32 precision; larger ones would overflow it
+_MAX_TEMPERATURE = 1e6
+
+
+class StepBuilder:
+    def __init__(self, block_size: int, vocab_size: int, seed: int):
+        self.block_size, self.vocab_size = block_size, vocab_size
+        self._seed_base = seed          # noise keys of unseeded rows: (engine seed, step, row)
+        self._num_sampling_steps = 0
+        self._last_rows: dict[str, int] = {}  # each request's row in the previous step's samples
+
+    def build(self, out: SchedulerOutput, pool: BlockPool) -> tuple[StepInputs, SamplingInputs | None]:
+        inputs = self._inputs(out, pool)
+        sampled = [it.request for it in out.scheduled if it.samples]
+        self._last_rows = {r.request_id: row for row, r in enumerate(sampled)}
+        return inputs, (self._sampling(sampled) if sampled else None)
+
+    def forget(self) -> None:
+        """The step in flight failed: no later step takes tokens from it."""
+        self._last_rows = {}
+
+    def _inputs(self, out: SchedulerOutput, pool: BlockPool) -> StepInputs:
+        """One Python pass over the requests; tables come pre-laid-out from the pool."""
+        bs, items = self.block_size, out.scheduled
+        n = len(items)
+        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
+        query_lens = np.fromiter((it.num_tokens for it in items), dtype=np.int64, count=n)
+        tables = pool.stacked_tables([it.request.request_id for it in items])
+        ids: list[int] = []
+        fill_rows, fill_from = [], []
+        for it in items:
+            known = it.request.all_token_ids
+            end = it.start + it.num_tokens
+            ids.extend(known[it.start:end])
+            if end > len(known):  # only the last input can be in flight (one step runs at a time)
+                fill_rows.append(len(ids))
+                fill_from.append(self._last_rows[it.request.request_id])
+                ids.append(0)
+        if (query_lens == 1).all():  # decode steps: one token each, at position start
+            pos, rows = starts, np.arange(n)
+        else:
+            rows = np.repeat(np.arange(n), query_lens)
+            pos = np.arange(len(rows)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens) + starts[rows]
+        slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        ends = np.cumsum(query_lens) - 1
+        samples = np.fromiter((it.samples for it in items), dtype=bool, count=n)
+        return StepInputs(np.asarray(ids, dtype=np.int64), pos, slots, query_lens,
+                          (starts + query_lens).astype(np.int32), np.ascontiguousarray(tables), ends[samples],
+                          np.asarray(fill_rows, dtype=np.int64), np.asarray(fill_from, dtype=np.int64))
+
+    def _sampling(self, requests: list[Request]) -> SamplingInputs:
+        """Per-row sampling parameters of the requests that sample this step, in row order."""
+        sp = [r.sampling_params for r in requests]
+        num_logprobs = max((p.logprobs for p in sp if p.logprobs is not None), default=-1)
+        if all(p.greedy for p in sp):  # the common benchmark case: nothing per row
+            return SamplingInputs.greedy_only(num_logprobs)
+        vocab = self.vocab_size
+        table = np.array([(1.0 if p.greedy else min(p.temperature, _MAX_TEMPERATURE), p.greedy,
+                           p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p) for p in sp],
+                         dtype=np.float32).T
+        # a seeded request's noise is keyed by (its seed, the index of the token being sampled): the same
+        # token gets the same noise whatever the batch, and again when it is recomputed after preemption
+        self._num_sampling_steps += 1
+        step = (self._seed_base, self._num_sampling_steps)
+        seeds = [hash((p.seed, r.num_tokens_with_pending) if p.seed is not None else (*step, i)) & _SEED_MASK
+                 for i, (r, p) in enumerate(zip(requests, sp))]
+        return SamplingInputs(table, seeds, num_logprobs)

@@ -1,0 +1,43 @@
+"""The contract between the engine and the model: one step as arrays. The engine decides what runs and
+builds these (``engine.step_builder``); the model side consumes them and returns the sampled token ids,
+and knows nothing of requests, schedules or block pools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class StepInputs:
+    """One step's tokens and where their K/V go: what rank 0 broadcasts to the other tensor-parallel ranks."""
+
+    ids: np.ndarray          # [T] int64
+    positions: np.ndarray    # [T] int64
+    slots: np.ndarray        # [T] int64
+    query_lens: np.ndarray   # [B] int64
+    seq_lens: np.ndarray     # [B] int32
+    tables: np.ndarray       # [B, W] int32
+    sample_rows: np.ndarray  # [S] int64: rows of the batch whose logits are sampled
+    fill_rows: np.ndarray    # [F] int64: entries of ``ids`` whose token the previous step is sampling ...
+    fill_from: np.ndarray    # [F] int64: ... and the row of that step's sampled tokens that holds it
+
+    @property
+    def decode_only(self) -> bool:
+        return bool((self.query_lens == 1).all()) and len(self.sample_rows) == len(self.query_lens)
+
+
+@dataclass
+class SamplingInputs:
+    """The sampling rows' parameters, in row order (rank 0 only: the other ranks do not sample)."""
+
+    # [5, S] float32: temperature (1 for greedy rows), greedy, top-k (the vocabulary size when off),
+    # top-p, min-p; None when every row is greedy (nothing to upload)
+    table: np.ndarray | None
+    seeds: list[int]         # each row's noise key (non-negative int64)
+    num_logprobs: int        # the most top-N logprobs a row asks for; -1: none
+
+    @classmethod
+    def greedy_only(cls, num_logprobs: int = -1) -> SamplingInputs:
+        return cls(None, [], num_logprobs)
