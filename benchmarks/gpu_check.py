@@ -1,24 +1,21 @@
 """Correctness on the GPU: the Triton attention path (fused q/k norm + rotary + K/V store, paged
 attention) against the torch reference on real shapes in bf16, the CUDA GEMV, the Gumbel sampler's draws
-against the softmax, and the engine's greedy tokens with both backends.  python benchmarks/gpu_check.py"""
+against the softmax, and the engine's greedy tokens with both backends.  python -m benchmarks.gpu_check"""
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.model import fused  # noqa: E402
-from pagedserve.model.cuda_gemv import CudaGemv  # noqa: E402
-from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E402
-from tests.test_triton_attention import compare, read_path_error  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from pagedserve.model import fused
+from pagedserve.model.cuda_gemv import CudaGemv
+from pagedserve.model.triton_attention import TritonAttentionBackend
+from tests.test_triton_attention import compare, read_path_error
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ def test_qwen3_8b_on_h200_by_hand():
     kv = int(GPU_PRESETS["H200-141GB"] * 0.88) - b.weights - activation - NON_TORCH_ESTIMATE
     assert b.kv_cache_bytes == kv and b.num_blocks == kv // (16 * 147_456)
     assert plan.concurrency["max_model_len 8192"] == pytest.approx(b.num_blocks / 512)
-    # the engine logged 780,192 KV tokens for this exact configuration on the H200 (docs/benchmarks.md)
+    # the engine logged 780,192 KV tokens for this exact configuration on the H200 (docs/lab-notes.md)
     assert abs(b.kv_tokens - 780_192) / 780_192 < 0.03
     assert not plan.failures and not plan.warnings
 

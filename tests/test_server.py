@@ -276,7 +276,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero():
 
 def test_seed_documents_serve_command_parses_and_resolves():
     """The seed document's command (with --load-format dummy) resolves to the config it asks for; starting
-    it needs an 8B model's memory, which the GPU benchmarks do (docs/benchmarks.md)."""
+    it needs an 8B model's memory, which the GPU benchmarks do (docs/lab-notes.md)."""
     from pagedserve.args import engine_args_from
     from pagedserve.cli import build_parser
 

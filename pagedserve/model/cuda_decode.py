@@ -1,6 +1,6 @@
 """The fp8 (e4m3) decode as a hand-written CUDA kernel (fp8_decode.cu), compiled once with NVRTC through
-torch. Triton's shared-memory staging held fp8 decodes at 2.8-3.3 TB/s of K/V reads against ~4 TB/s for
-bf16 (docs/benchmarks.md); this kernel loads each thread's bytes straight into registers. It covers the
+torch. Triton's staging of fp8 K/V through shared memory left the decode well short of the bandwidth a
+bf16 one reaches (docs/lab-notes.md); this kernel loads each thread's bytes straight into registers. It covers the
 decodes that dominate large batches (not split over segments, bf16 queries, head dim 128, up to 8 query
 heads a KV head, blocks a multiple of 16 tokens); every other launch stays on the Triton kernel."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ class CudaFp8Decode:
     """One compiled variant (warps, G, block size) of the kernel; calling it writes ``out``'s decode rows."""
 
     WARPS = 4
-    PREFETCH = 3  # steps ahead a warp prefetches its K/V lines into L2 (0: none; H200: 3 best of 2-5)
+    PREFETCH = 3  # steps ahead a warp prefetches its K/V lines into L2 (0: none)
 
     def __init__(self, kernel, warps: int, num_kv_heads: int):
         self.kernel, self.warps, self.num_kv_heads = kernel, warps, num_kv_heads

@@ -35,9 +35,8 @@ class CudaGemv:
     ENABLED = True  # False: cuBLAS for every projection (the engine's A/B switch)
     PDL = True  # programmatic dependent launch on sm_90+ (False: plain launches)
     FUSE_NORM = True  # RMSNorm (+ residual) staged by the projection after it (False: the norm kernel runs)
-    # one CTA of up to 32 warps a multiprocessor, 4 16-byte loads a lane in flight (8 across a step boundary):
-    # a Qwen3-8B step's projections took 3.716 ms in a graph against 3.846 at 16 warps x 8 loads and
-    # 4.172 on cuBLAS (benchmarks/gemv.py --cuda, H200)
+    # one CTA of up to 32 warps a multiprocessor, 4 16-byte loads a lane in flight (8 across a step boundary);
+    # the shape benchmarks/kernels/gemv.py --cuda picked
     WARPS = 32
     WARP_CHOICES = (32, 28, 24, 20, 16)  # warps a CTA ``warps_for`` picks from (up to ``warps``)
     UNROLL = 4
@@ -88,8 +87,8 @@ class CudaGemv:
 
     def warps_for(self, n: int) -> int:
         """Warps a CTA for n rows: of 32, 28, ... 16 (up to ``warps``), the count whose rows fall most evenly
-        over all warps (a warp takes whole rows), the larger on a tie. qkv's 6144 rows over 132 x 32 warps
-        leave the last round of rows a quarter full; at 24 warps both rounds are full (13.70 vs 14.37 us)."""
+        over all warps (a warp takes whole rows), the larger on a tie: e.g. 6144 rows over 132 x 32 warps
+        leave the last round a quarter full, over 132 x 24 warps both rounds are full."""
         best, best_balance = self.warps, 0.0
         for w in [w for w in self.WARP_CHOICES if w <= self.warps] or [self.warps]:
             total = min(self.sms, -(-n // w)) * w

@@ -1,13 +1,13 @@
 // fp8 (e4m3) paged decode attention for Hopper: one CTA of WARPS warps per (decoding sequence, KV head).
 //
 // Why CUDA and not Triton: the Triton kernel stages K/V tiles through shared memory, and with fp8 bytes it
-// reached 2.8-3.3 TB/s against ~4 TB/s for bf16 (docs/benchmarks.md). Here the key loop has no shared
+// stayed well below a bf16 decode's bandwidth (docs/lab-notes.md). Here the key loop has no shared
 // memory and no barriers: each thread loads its own K/V bytes global -> registers with 16-byte loads,
 // prefetched one 16-key step ahead, converts them with cvt.rn.f16x2.e4m3x2 (+ prmt for V) and feeds
 // mma.sync m16n8k16 (f16 in, f32 accumulate). The kernel waits on its memory stream, not on issue: each
 // warp also asks L2 for its lines PREFETCH steps ahead (prefetch.global.L2 holds no register; the first
 // ones before the loop), which puts more bytes in flight than a deeper register prefetch could at 3 CTAs
-// an SM, and its loads mark the lines evict-first, as each is read once (docs/benchmarks.md).
+// an SM, and its loads mark the lines evict-first, as each is read once (docs/lab-notes.md).
 //   S  = Q K^T  : M = 16 rows (the G query heads of this KV head, the rest zero), N = 8 keys, K = 16 d.
 //   O^T = V^T P^T: M = 16 d an m-tile, N = 8 (the G heads, the rest padding), K = 16 keys.
 // P^T's B fragment (keys 2t,2t+1 ; head g) is exactly S's accumulator (head g ; keys 2t,2t+1): no shuffles.

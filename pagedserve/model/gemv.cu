@@ -1,8 +1,7 @@
 // bf16 GEMV for decode steps of one sequence: y[n] = sum_k W[n, k] * x[k], fp32 accumulation.
 //
-// Why not cuBLAS: at one row cuBLAS picks tiles that leave SMs idle or need a second kernel (qkv of
-// Qwen3-8B: 96 CTAs on 132 SMs, 3.1 TB/s; o_proj and down_proj: split-K plus a reduce kernel, 3.1 and
-// 3.6 TB/s, in a graph replay on the H200; docs/benchmarks.md). Here one CTA of WARPS warps sits on each
+// Why not cuBLAS: at one row cuBLAS picks tiles that leave multiprocessors idle or need a second kernel
+// (split-K plus a reduce; the profiles are in docs/lab-notes.md). Here one CTA of WARPS warps sits on each
 // SM, every warp owns whole rows (rows r, r + all warps, ...), and each lane streams its 16-byte pieces
 // of a row one step of UNROLL loads ahead, across row boundaries, so the loads never drain until the
 // warp's last row. x is staged once per CTA in shared memory while the first W loads are in flight.

@@ -66,8 +66,7 @@ def _attend_segment(q, K, table, kv_end, qpos, qk_scale, seg, stride_kvkv, strid
         blk = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
         off = blk * stride_kvb + (kpos % PAGE) * stride_kvs
         k = tl.load(K + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
-        # V is read here, not after the softmax that needs only K: both tiles are then in flight at
-        # once (fp8 decode 341 -> 276 us at 256 x 1536, benchmarks/profile_decode.py)
+        # V is read here, not after the softmax that needs only K, so that both tiles are in flight at once
         v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         if V_CVT_ASM:
             v = _e4m3_to_f16(v)
@@ -196,8 +195,8 @@ def _fused_decode(
     NUM_KV: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     FP16_DOTS: tl.constexpr, V_CVT_ASM: tl.constexpr, QK_NORM: tl.constexpr,
 ):
-    """A decode-only step's attention as one kernel a layer, where it was three (qkv_rope_store, the
-    attention, the merge): at one Qwen3-8B request 8.2 us a layer against 2.7 + 5.7 + 2.6 (H200).
+    """A decode-only step's attention as one kernel a layer instead of three (qkv_rope_store, the
+    attention, the merge): at small batches the launches, not the bytes, were the cost.
 
     Program (request, KV head, segment) forms its G queries from the q/k/v projection (q/k norm as
     ``qkv_rope_store`` rounds it, rotary) and attends over its segment of the cached keys; the last
@@ -304,17 +303,17 @@ class TritonState:
 
 class TritonAttentionBackend:
     name = "triton"
-    TILE = 64  # keys per inner step; 64 measured best on the H200 (benchmarks/profile_decode.py)
-    SPLIT_TILE = 128  # ... for decodes split over segments; neutral in the engine (bs=1 ITL 5.026 vs 5.014 ms)
+    # launch shapes picked by benchmarks/kernels/decode.py's sweeps (the figures: docs/lab-notes.md)
+    TILE = 64  # keys per inner step
+    SPLIT_TILE = 128  # ... for decodes split over segments
     PREFILL_ROWS = 64
     NUM_WARPS = 4
     NUM_STAGES = 3  # software-pipelining depth of the key loop (Triton's default) for decodes
-    PREFILL_STAGES = 2  # 16 x 1024 fresh prefills: 548 vs 586 us bf16, 569 vs > 625 us fp8 at 3 (H200)
-    # an fp8 decode (not split): keys a step, warps, stages, and V converted by _e4m3_to_f16 on the GPU.
-    # 512 x 1536, Qwen3-8B heads, H200: 486.5 us against 512.5 for a plain cast at 64 keys, 2 warps
+    PREFILL_STAGES = 2  # fewer than decodes: a prefill tile's rows already keep the loads busy
+    # an fp8 decode (not split): keys a step, warps, stages, and V converted by _e4m3_to_f16 on the GPU
     FP8_DECODE = (32, 1, 3)
     FP8_V_ASM = True
-    FP8_SPLIT_WARPS = 2  # fp8 decode split over segments (cast): 343 vs 397 us at 4 warps (256 x 1536)
+    FP8_SPLIT_WARPS = 2  # fp8 decodes split over segments (V cast, not converted by asm)
     CUDA_FP8_DECODE = True  # e4m3 decodes not split: the CUDA kernel of cuda_decode.py where it applies
     FUSED_DECODE = True  # decode-only steps in one kernel (_fused_decode); off only to measure what it saves
 
@@ -333,8 +332,7 @@ class TritonAttentionBackend:
         """Split long keys over programs when the batch alone cannot fill the GPU."""
         programs = batch * self.num_kv_heads
         want = -(-2 * self.num_sms // programs)
-        # a segment may hold a single tile: at one sequence of ~1.3k keys, 16 segments of one tile each
-        # took 6.0 us a layer against 10.0 for 4 segments of ~3 tiles (graph replays, H200)
+        # a segment may hold a single tile: at a few sequences, more programs beat longer loops
         useful = -(-max_seq_len // self.SPLIT_TILE)
         return max(1, min(16, triton.next_power_of_2(min(want, useful))))
 

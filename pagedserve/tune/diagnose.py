@@ -1,5 +1,5 @@
 """``pagedserve diagnose``: read a running server's /metrics (ours or vLLM's) over a short window and
-name which of the seed document's three situations applies, with the first parameter to change.
+name which of three situations applies, with the first parameter to change.
 
 1. start-up failure: the server is not up (weights or the parallel configuration do not fit);
 2. KV-cache / context pressure: preemptions, or the KV cache (nearly) full;

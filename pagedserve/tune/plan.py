@@ -1,8 +1,8 @@
 """``pagedserve plan``: the start-up memory budget without a GPU, with the engine's own formulas.
 
 The engine measures the activation peak and non-torch memory with a profiling pass; the planner puts
-estimates in their place (``activation_peak_estimate`` and the constants below, calibrated against what
-the engine logged on an H200: docs/benchmarks.md) and then runs the same ``compute_budget`` and the same
+estimates in their place (``activation_peak_estimate`` and the constants below, set from what the
+engine logs at start-up on a GPU) and then runs the same ``compute_budget`` and the same
 start-up checks.
 """
 
@@ -16,8 +16,8 @@ from pagedserve.memory import GiB, MemoryBudget, activation_peak_estimate, compu
 from pagedserve.model.runner import decode_graph_sizes
 
 MiB = 2**20
-# Total device memory as torch reports it. H200: measured on the workplace's H200 (139.80 GiB); the
-# others are the nominal totals nvidia-smi shows for those cards. Pass --gpu-memory for your exact card.
+# Total device memory as torch reports it (H200: what torch reported on one; the others: the totals
+# nvidia-smi shows for those cards). Pass --gpu-memory for your exact card.
 GPU_PRESETS: dict[str, int] = {
     "H200-141GB": int(139.80 * GiB),
     "H100-80GB": 81559 * MiB,
@@ -26,9 +26,9 @@ GPU_PRESETS: dict[str, int] = {
     "L40S": 46068 * MiB,
     "RTX-4090": 24564 * MiB,
 }
-NON_TORCH_ESTIMATE = 256 * MiB       # cuBLAS/Triton workspaces (160 MiB measured on the H200)
+NON_TORCH_ESTIMATE = 256 * MiB       # cuBLAS/Triton workspaces, with room above what an H200 run logged
 NCCL_ESTIMATE = 512 * MiB            # communication buffers per rank when tensor parallel
-GRAPH_ESTIMATE_PER_SIZE = 32 * MiB   # 0.13 GiB measured for 5 decode graphs of Qwen3-8B
+GRAPH_ESTIMATE_PER_SIZE = 32 * MiB   # per captured decode batch size, above what Qwen3-8B's graphs took
 WORKSPACE_HEADROOM = GiB             # what CUDA context, allocator slack and spikes need beyond graphs
 
 

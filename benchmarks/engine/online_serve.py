@@ -1,7 +1,8 @@
-"""The seed document's online test (issue target 5): start the server with the seed command, run the
-seed bench command against it, report p95 TTFT, ITL and peak memory, then stop the server with SIGTERM.
+"""The reference online test: start `pagedserve serve` with the reference flags (0.88 / 8192 / 16 seqs / 4096
+tokens, chunked prefill), run `bench serve` against it (1024 in, 256 out, 128 prompts at 8 req/s), report
+p95 TTFT, ITL and peak memory and how the ITLs split into modes, then stop the server with SIGTERM.
 
-python benchmarks/online_seed.py [--result-dir DIR] [--model Qwen/Qwen3-8B]
+python -m benchmarks.engine.online_serve [--result-dir DIR] [--model Qwen/Qwen3-8B]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

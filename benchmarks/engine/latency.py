@@ -1,6 +1,6 @@
-"""Single-request decode latency (issue target 1) and where a step's time goes.
+"""Single-request decode latency and where a step's time goes.
 
-python benchmarks/latency.py --model Qwen/Qwen3-8B --input-len 1024 --output-len 256 [--gemv cuda,cublas] [--decode-segments 4,16]
+python -m benchmarks.engine.latency --model Qwen/Qwen3-8B --input-len 1024 --output-len 256 [--gemv cuda,cublas] [--decode-segments 4,16]
 
 Prints TTFT, inter-token latency (mean / p50 / p99 over the steps after the first token), the GPU time of
 one captured decode graph replay (CUDA events), and the host time of each phase of a step. The host
@@ -15,18 +15,17 @@ import gc
 import itertools
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.bench.latency import run_latency  # noqa: E402
-from pagedserve.memory import GiB, weight_bytes  # noqa: E402
-from pagedserve.model.cuda_gemv import CudaGemv  # noqa: E402
-from pagedserve.model.layers import use_gemv  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from benchmarks.kernels.harness import graph_ms
+from pagedserve.bench.latency import run_latency
+from pagedserve.memory import GiB, weight_bytes
+from pagedserve.model.cuda_gemv import CudaGemv
+from pagedserve.model.layers import use_gemv
 
 WARP_CHOICES = CudaGemv.WARP_CHOICES  # the engine's, restored by settings without -fixed
 
@@ -97,19 +96,6 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None) -> 
     runner.capture_decode_graphs()
     print(f"\n-- one-row projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
           f"segments, fused decode {'as configured' if fuse is None else 'on' if fuse else 'off'}")
-
-
-def graph_ms(graph, reps: int = 50) -> float:
-    """GPU time of one replay (CUDA events around ``reps`` back-to-back replays)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        graph.replay()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def measure(llm, input_len: int, output_len: int, repeats: int) -> None:

@@ -9,7 +9,7 @@ protect, during protect, and after the return to normal, the 503s, and when the 
 --recovery-dwell-s / --recovery-hold-s shorten the profile's recovery (written to a copy of the file) so a
 run sees the return to normal in a minute; the triggers and limits stay as tuned.
 
-python benchmarks/profile_burst.py --model Qwen/Qwen3-8B --serve-args "--load-format dummy ..." \\
+python -m benchmarks.serving.profile_burst --model Qwen/Qwen3-8B --serve-args "--load-format dummy ..." \\
     --profiles results/tune/profiles.yaml --input-len 1024 --output-len 256 --burst-input-len 8000
 """
 

@@ -1,31 +1,27 @@
 """Host time of a step, which must stay below the GPU's for the one step in flight to hide it: turning a
-decode step into arrays (ModelRunner.prepare), then every phase of whole engine steps at 512 running
-requests (scheduling, inputs, sampling parameters, the update, the frontend).
+decode step into arrays (the engine's StepBuilder), then every phase of whole engine steps at 512 running
+requests (scheduling, inputs and sampling parameters, the update, the frontend).
 
-python benchmarks/host_prepare.py   (CPU is enough: it times Python and numpy only)
+python -m benchmarks.engine.host_prepare   (CPU is enough: it times Python and numpy only)
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.engine.block_pool import BlockPool  # noqa: E402
-from pagedserve.engine.request import Request  # noqa: E402
-from pagedserve.engine.scheduler import Scheduler  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.block_pool import BlockPool
+from pagedserve.engine.request import Request
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.step_builder import StepBuilder
 
 
 def main() -> None:
-    llm = LLM("tiny", num_gpu_blocks_override=40000, max_model_len=2048, max_num_seqs=256,
-              max_num_batched_tokens=65536, enable_prefix_caching=False)
-    runner = llm.engine.core.runner
+    builder = StepBuilder(block_size=16, vocab_size=512, seed=0)
     for n in (1, 64, 256):
         pool = BlockPool(40000, 16, 128, enable_prefix_caching=False)
         sched = Scheduler(pool, 256, 65536, 2048, True)
@@ -39,8 +35,8 @@ def main() -> None:
             sched.update_from_output(out, [1] * sum(s.samples for s in out.scheduled))
         t0 = time.perf_counter()
         for _ in range(200):
-            runner.prepare(out, pool)
-        print(f"{n:4d} decodes at context ~1200: prepare {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms per step")
+            builder.build(out, pool)
+        print(f"{n:4d} decodes at context ~1200: step arrays {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms per step")
 
 
 def engine_steps(n: int = 512, steps: int = 100) -> None:
@@ -65,10 +61,11 @@ def engine_steps(n: int = 512, steps: int = 100) -> None:
         setattr(owner, name, wrapper)
 
     core = engine.core
-    for owner, name, key in ((core.scheduler, "schedule", "schedule"), (core.runner, "prepare", "inputs"),
-                             (core.runner, "_sampling_batch", "sampling parameters"),
+    runner = core.worker.runner
+    for owner, name, key in ((core.scheduler, "schedule", "schedule"), (core.builder, "build", "inputs + sampling"),
+                             (runner, "sampling_batch", "sampling upload"),
                              (core.scheduler, "update_from_output", "update"), (engine.outputs, "process", "frontend"),
-                             (core.runner, "forward", "device: model (CPU)"), (runner_mod, "sample", "device: sampler (CPU)")):
+                             (runner, "forward", "device: model (CPU)"), (runner_mod, "sample", "device: sampler (CPU)")):
         timed(owner, name, key)
     rng = np.random.default_rng(0)
     for i in range(n):

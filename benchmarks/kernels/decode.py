@@ -1,31 +1,29 @@
 """Where decode time goes: a kernel-level profile of one eager decode step, and the paged-attention
 kernel alone at a few tile shapes with its achieved bandwidth.
 
-python benchmarks/profile_decode.py [--kernels-only | --fp8 | --cuda | --fp8-step | --segments | --prefill | --ncu]
+python -m benchmarks.kernels.decode [--kernels-only | --fp8 | --cuda | --fp8-step | --segments | --prefill | --ncu]
 
 --cuda: the fp8 decode alone, the CUDA kernel (2, 4, 8 warps a CTA; 4 without its L2 prefetch) against
 the Triton kernel.
 --fp8-step: the kernel profile of one 512-sequence Qwen3-8B decode step over an fp8 cache.
 
 --ncu: only a few fp8 decode launches at 256 x 1536, for Nsight Compute:
-ncu --clock-control none -k regex:_paged_attention --launch-skip 2 --launch-count 1 python benchmarks/profile_decode.py --ncu
+ncu --clock-control none -k regex:_paged_attention --launch-skip 2 --launch-count 1 python -m benchmarks.kernels.decode --ncu
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
-import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.model.fused import sm_count  # noqa: E402
-from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E402
-from tests.test_triton_attention import make_batch  # noqa: E402
+from benchmarks.kernels.harness import kernel_ms
+from pagedserve import LLM, SamplingParams
+from pagedserve.model.fused import sm_count
+from pagedserve.model.triton_attention import TritonAttentionBackend
+from tests.test_triton_attention import make_batch
 
 
 def profile_step(model: str, batch: int, ctx: int, kv_cache_dtype: str = "auto") -> None:
@@ -91,7 +89,7 @@ def attention_alone(name, heads, kv_heads, batch, ctx, kv_dtype=torch.bfloat16, 
         if segs is not None:
             be.decode_segments = lambda b, s, segs=segs: segs
         be.prepare(meta, BS)
-        ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), rep=100)
+        ms = kernel_ms(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), 100)
         results.append((ms, tile, stages, meta.backend_state.decode.num_segments, warps))
     results.sort()
     cast = "" if kv_dtype != torch.float8_e4m3fn else (", V converted in registers" if fp8_v_asm else ", V cast after staging")
@@ -122,7 +120,7 @@ def cuda_vs_triton(batch: int, context_lens: list[int], heads=32, kv_heads=8) ->
     print(f"\n== fp8 decode alone, {batch} x context {min(context_lens)}..{max(context_lens)}, "
           f"{kv_bytes / 2**30:.2f} GiB of K/V per call")
     for name, fn in arms:
-        ms = triton.testing.do_bench(fn, rep=200)
+        ms = kernel_ms(fn, 200)
         print(f"  {name:<30}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
@@ -137,7 +135,7 @@ def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, len
         be.PREFILL_ROWS, be.TILE, be.NUM_WARPS, be.PREFILL_STAGES = rows, tile, warps, stages
         be.prefill_block_q = rows // be.G
         be.prepare(meta, BS)
-        ms = triton.testing.do_bench(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), rep=100)
+        ms = kernel_ms(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), 100)
         results.append((ms, rows, tile, warps, stages))
     results.sort()
     print(f"\n== prefill attention, {prompts} x {length} tokens, {heads}/{kv_heads} heads, K/V {kv_dtype}; fastest first")

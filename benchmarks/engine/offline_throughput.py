@@ -1,8 +1,8 @@
-"""Offline throughput (issue targets 2-4): nano-vllm's workload or fixed lengths, optionally against
+"""Offline throughput: nano-vllm's workload or fixed lengths, optionally against
 Hugging Face transformers' continuous batching on the same weights.
 
-python benchmarks/offline_throughput.py --model Qwen/Qwen3-0.6B --num-seqs 256 --min-len 100 --max-len 1024 --hf-peer
-python benchmarks/offline_throughput.py --model Qwen/Qwen3-8B --num-seqs 1000 --input-len 1024 --output-len 1024
+python -m benchmarks.engine.offline_throughput --model Qwen/Qwen3-0.6B --num-seqs 256 --min-len 100 --max-len 1024 --hf-peer
+python -m benchmarks.engine.offline_throughput --model Qwen/Qwen3-8B --num-seqs 1000 --input-len 1024 --output-len 1024
 
 nano-vllm's workload: 256 sequences, prompt and output lengths each uniform in [100, 1024], random token
 ids below 10000, seed 0, ignore_eos. Throughput = output tokens / wall time, as nano-vllm reports it.
@@ -20,10 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.builtin.known_models import KNOWN_MODELS  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from pagedserve.builtin.known_models import KNOWN_MODELS
 
 
 def workload(ns):

@@ -1,7 +1,7 @@
 """Where the time of an offline run's steps goes: GPU kernels by name, GPU busy time against wall time.
 
-python benchmarks/profile_steps.py --model Qwen/Qwen3-0.6B --num-seqs 256 --first-step 200 --num-steps 100
-python benchmarks/profile_steps.py --model Qwen/Qwen3-8B --num-seqs 1000 --input-len 1024 --output-len 1024 --max-model-len 2064
+python -m benchmarks.engine.profile_steps --model Qwen/Qwen3-0.6B --num-seqs 256 --first-step 200 --num-steps 100
+python -m benchmarks.engine.profile_steps --model Qwen/Qwen3-8B --num-seqs 1000 --input-len 1024 --output-len 1024 --max-model-len 2064
 
 Runs the same workload as offline_throughput.py through the engine's step loop and records
 ``--num-steps`` steps with torch.profiler, starting at ``--first-step``. Prints the wall time per step,
@@ -22,12 +22,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offline_throughput import add_workload_args, workload  # noqa: E402
+from offline_throughput import add_workload_args, workload
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.outputs import RequestOutputKind  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from pagedserve.outputs import RequestOutputKind
 
 
 def main() -> None:

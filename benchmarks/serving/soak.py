@@ -8,7 +8,7 @@ Resident memory is sampled throughout (it should level off, not climb).
 Phase 2: 10 x --max-num-queued-reqs requests at once: 503s with Retry-After for the excess, every admitted
 request complete, and how long until a new request is served again.
 
-python benchmarks/soak.py --requests 20000 --concurrency 64 --result-dir results/soak
+python -m benchmarks.serving.soak --requests 20000 --concurrency 64 --result-dir results/soak
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """The Gumbel-max sampler alone on the GPU: rows x Qwen3's vocabulary of bf16 logits, against a plain
 argmax (one read of the logits, what a greedy step costs).
 
-python benchmarks/sampler.py
+python -m benchmarks.kernels.sampler
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
-import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pagedserve.model import fused  # noqa: E402
+from benchmarks.kernels.harness import kernel_ms
+from pagedserve.model import fused
 
 
 def main(vocab: int = 151936) -> None:
@@ -25,8 +22,8 @@ def main(vocab: int = 151936) -> None:
         inv_t = torch.full((rows,), 1 / 0.6, device=dev)
         seeds = torch.arange(rows, device=dev) * 7919 + 1
         noisy = torch.ones(rows, dtype=torch.bool, device=dev)
-        gumbel = triton.testing.do_bench(lambda: fused.gumbel_argmax(logits, inv_t, seeds, noisy), rep=200)
-        argmax = triton.testing.do_bench(lambda: logits.argmax(-1), rep=200)
+        gumbel = kernel_ms(lambda: fused.gumbel_argmax(logits, inv_t, seeds, noisy), 200)
+        argmax = kernel_ms(lambda: logits.argmax(-1), 200)
         gb = logits.numel() * logits.element_size() / 1e9
         print(f"  {rows:4d} rows: gumbel_argmax {gumbel * 1e3:8.1f} us ({gb / gumbel * 1e3:6.0f} GB/s of logits), "
               f"argmax {argmax * 1e3:8.1f} us")

@@ -5,18 +5,17 @@ CUDA graph (where ramps, tails and gaps between kernels count).
 The GEMV streams W in [BLOCK_N, BLOCK_K] tiles and multiplies them by the rows of x on the CUDA cores;
 optionally with programmatic dependent launch, and with silu(gate) * up formed as x is read. It was
 tried in the model (commit eadc0a0) and taken out: 1.7 % faster than cuBLAS here, but the bs=1 ITL of
-Qwen3-8B was 5.09 ms with it against 5.03 ms without (docs/benchmarks.md). Kept here as the measured
+Qwen3-8B was 5.09 ms with it against 5.03 ms without (docs/lab-notes.md). Kept here as the measured
 alternative to re-run on a newer Triton or GPU.
 
-python benchmarks/gemv.py [--quick] [--no-sweep]
-python benchmarks/gemv.py --cuda   # the model's CUDA GEMV (model/gemv.cu) against cuBLAS instead
+python -m benchmarks.kernels.gemv [--quick] [--no-sweep]
+python -m benchmarks.kernels.gemv --cuda   # the model's CUDA GEMV (model/gemv.cu) against cuBLAS instead
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.kernels.harness import graph_ms, kernel_ms, per_call_us
+
 
 
 @triton.jit
@@ -157,14 +157,14 @@ def sweep(quick: bool) -> dict[str, tuple[str, GemvConfig]]:
         x = torch.randn((1, k), device=dev, dtype=torch.bfloat16)
         ref = F.linear(x, w)
         nbytes = w.numel() * 2
-        t_cublas = triton.testing.do_bench(lambda: F.linear(x, w), rep=100)
+        t_cublas = kernel_ms(lambda: F.linear(x, w))
         rows = []
         for kind, cfg in configs(quick):
             if k % cfg.block_k:
                 continue
             y = run(kind, x, w, cfg)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            t = triton.testing.do_bench(lambda kind=kind, cfg=cfg: run(kind, x, w, cfg), rep=100)
+            t = kernel_ms(lambda kind=kind, cfg=cfg: run(kind, x, w, cfg))
             rows.append((t, kind, cfg, err))
         rows.sort(key=lambda r: r[0])
         print(f"\n== {name} [{n} x {k}], {nbytes / 1e6:.0f} MB, M=1: cuBLAS {t_cublas * 1e3:.1f} us "
@@ -206,20 +206,9 @@ def step_graph(m: int, fn, weights, head) -> tuple[float, int]:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
-    ms = triton.testing.do_bench(g.replay, rep=300)
+    ms = graph_ms(g)
     nbytes = sum(t.numel() * 2 for ws in weights for t in ws) + head.numel() * 2
     return ms, nbytes
-
-
-def graph_us(fn, count: int) -> float:
-    """Microseconds per call of ``fn(i)`` for i in range(count), all captured in one CUDA graph."""
-    for i in range(count):
-        fn(i)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(count):
-            fn(i)
-    return triton.testing.do_bench(g.replay, rep=200) * 1e3 / count
 
 
 def label(g) -> str:
@@ -243,13 +232,13 @@ def cuda_report() -> None:
         xin = fused.silu_mul(x) if silu else x
         ref = F.linear(xin.float(), ws[0].float())
         nbytes = n * k * 2
-        t = graph_us(lambda i: F.linear(fused.silu_mul(x) if silu else x, ws[i]), count)
+        t = per_call_us(lambda i: F.linear(fused.silu_mul(x) if silu else x, ws[i]), count)
         line = [f"{name} [{n} x {k}]: cuBLAS{' + silu_mul' if silu else ''} {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s)"]
         for g in variants:
             if not g.takes(x, ws[0], silu_mul=silu):
                 continue
             err = ((g(x, ws[0], silu_mul=silu).float() - ref).abs().max() / ref.abs().max()).item()
-            t = graph_us(lambda i: g(x, ws[i], silu_mul=silu), count)
+            t = per_call_us(lambda i: g(x, ws[i], silu_mul=silu), count)
             line.append(f"{label(g)} {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s, err {err:.1e})")
         print(" | ".join(line))
     weights, head = step_weights()
@@ -269,14 +258,14 @@ def main() -> None:
         return
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    t = triton.testing.do_bench(lambda: b.copy_(a), rep=100)
+    t = kernel_ms(lambda: b.copy_(a))
     print(f"copy 1 GiB: {t * 1e3:.0f} us, {2 * 2**30 / t / 1e9:.2f} TB/s (read + write)")
-    t = triton.testing.do_bench(lambda: a.view(torch.bfloat16).sum(), rep=100)
+    t = kernel_ms(lambda: a.view(torch.bfloat16).sum())
     print(f"sum of 1 GiB (bf16): {t * 1e3:.0f} us, {2**30 / t / 1e9:.2f} TB/s (read)")
     best = {} if "--no-sweep" in sys.argv else sweep(quick)
     print("\n== a step's projections in a CUDA graph (36 x [qkv, o, gate_up, down] + lm_head)")
     weights, head = step_weights()
-    for m in (1,):  # at M = 2 and 4 cuBLAS won by far (docs/benchmarks.md)
+    for m in (1,):  # at M = 2 and 4 cuBLAS won by far (docs/lab-notes.md)
         ms, nbytes = step_graph(m, lambda name, x, w: F.linear(x, w), weights, head)
         print(f"  M={m} cuBLAS:            {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
         for cfg in (DEFAULT, GemvConfig(8, 512, 4, 2), GemvConfig(16, 512, 4, 3), GemvConfig(4, 1024, 4, 2)):
