@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.tune.cli import add_tune_parsers
 
     add_tune_parsers(sub)
+    from pagedserve.sim.cli import add_sim_parsers
+
+    add_sim_parsers(sub)
     return parser
 
 

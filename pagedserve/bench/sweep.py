@@ -173,12 +173,13 @@ def progress_line(i: int, n: int, unit: str, load: float, r: dict) -> str:
             f"{opt(mem, lambda v: f'{v / 2**30:.2f} GiB')}")
 
 
-def run_ladder(target: Target, plan: SweepPlan, samples_for, on_rung: Callable[[list[dict]], None] | None = None,
-               out=sys.stdout) -> dict:
-    """Every rung in order, then the knee; ``on_rung`` sees the rungs so far (to save partial results)."""
+def run_ladder(plan: SweepPlan, measure: Callable[[int, float], dict],
+               on_rung: Callable[[list[dict]], None] | None = None, out=sys.stdout) -> dict:
+    """Every rung in order (``measure(index, load)`` gives one: over HTTP, or simulated), then the knee;
+    ``on_rung`` sees the rungs so far (to save partial results)."""
     rungs: list[dict] = []
     for i, load in enumerate(plan.loads):
-        rung = asyncio.run(run_rung(target, plan, i, load, samples_for))
+        rung = measure(i, load)
         rungs.append(rung)
         print(progress_line(i, len(plan.loads), plan.unit, load, rung), file=out, flush=True)
         if on_rung is not None:
@@ -310,16 +311,20 @@ def plan_from(ns: argparse.Namespace) -> SweepPlan:
 
 def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url: str | None = None,
               serve_flags: list[str] = (), runs: list[tuple[str, str | None, list[str]]] = (),
-              grid: tuple[str, list[str]] | None = None, out=sys.stdout) -> dict:
+              grid: tuple[str, list[str]] | None = None, simulate=None, out=sys.stdout) -> dict:
     """One ladder against ``base_url``, or one per ``runs`` entry (label, grid value, serve flags) against a
-    server started for it. sweep.json is rewritten after every rung and every artefact after every ladder,
-    so a sweep cut short keeps what it measured. Returns sweep.json's document."""
+    server started for it, or, with ``simulate`` (a ``sim.ladder.Simulation``), against the engine's own
+    scheduler on that calibration's cost model. sweep.json is rewritten after every rung and every artefact
+    after every ladder, so a sweep cut short keeps what it measured. Returns sweep.json's document."""
     from pagedserve.bench.datasets import client_tokenizer
     from pagedserve.bench.launch import LocalServer
     from pagedserve.bench.report import write_artefacts
 
-    target_doc = {"base_url": base_url} if base_url else {"command": ["pagedserve", "serve", ns.model, *serve_flags]}
-    draw = samples_factory(ns, client_tokenizer(ns.tokenizer, ns.model))
+    target_doc = ({"base_url": base_url} if base_url else
+                  {"command": ["pagedserve", "serve", ns.model, *serve_flags]})
+    if simulate is not None:
+        target_doc["simulated"] = simulate.describe()
+    draw = samples_factory(ns, None if simulate else client_tokenizer(ns.tokenizer, ns.model))
     goodput = goodput_of(plan.knee.slo)
     ladders: list[dict] = []
 
@@ -328,15 +333,17 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
                               dataset=dataset_settings(ns), endpoint=ns.endpoint,
                               grid={"param": grid[0], "values": grid[1]} if grid else None, ladders=ladders)
 
-    def ladder(url: str, label: str, value: str | None, extra: dict) -> None:
+    def over_http(url: str) -> Callable[[int, float], dict]:
         target = Target(url, ns.model, ns.endpoint, ns.api_key, ns.ignore_eos or ns.dataset_name == "random",
                         ns.burstiness, ns.seed, goodput, show_progress=not ns.disable_tqdm)
+        return lambda i, load: asyncio.run(run_rung(target, plan, i, load, draw))
 
+    def ladder(measure: Callable[[int, float], dict], label: str, value: str | None, extra: dict) -> None:
         def save_partial(rungs: list[dict]) -> None:
             doc = {**document(), "in_progress": {"label": label, "rungs": rungs}}
             (folder / "sweep.json").write_text(json.dumps(doc, indent=2))
 
-        result = run_ladder(target, plan, draw, save_partial, out)
+        result = run_ladder(plan, measure, save_partial, out)
         ladders.append({"label": label, "grid_value": value, **extra, **result})
         if grid:
             print(f"{label}: {result['knee']['reason']}\n{label}: {result['knee']['recommendation_reason']}",
@@ -346,13 +353,18 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
     print(f"Sweep: {plan.unit} {', '.join(f'{x:g}' for x in plan.loads)}; results in {folder}", file=out, flush=True)
     try:
         if base_url:
-            ladder(base_url, "server", None, {})
+            ladder(over_http(base_url), "server", None, {})
         for label, value, flags in runs:
+            if simulate is not None:
+                ladder(simulate.ladder(ns.model, flags, plan, draw, ns.seed, ns.burstiness, goodput), label, value,
+                       {"server_command": ["pagedserve", "serve", ns.model, *flags], "simulated": True})
+                continue
             log = folder / (f"server-{grid[0]}-{value}.log" if grid else "server.log")
             server = LocalServer(ns.model, flags, log, ns.server_start_timeout)
             print(f"Starting `{' '.join(server.command)}` (log: {log})", file=out, flush=True)
             with server:
-                ladder(server.base_url, label, value, {"server_command": server.command, "server_log": log.name})
+                ladder(over_http(server.base_url), label, value, {"server_command": server.command,
+                                                                  "server_log": log.name})
             ladders[-1]["server_exit_code"] = server.exit_code
     except BenchmarkError as e:  # keep what was measured, say why it stopped
         raise BenchmarkError(f"{e} Results so far are in {folder}.") from e

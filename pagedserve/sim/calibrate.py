@@ -1,0 +1,142 @@
+"""``pagedserve calibrate``: time steps of known shape on this GPU and fit the cost model to them.
+
+The steps are built directly as ``StepInputs`` (no scheduler), so the grid covers what a ladder will ask
+for in a minute or two: decode batches at several context lengths, prompt chunks at several offsets, and
+the two mixed. Each is run through the engine's own worker (CUDA graphs, attention kernels, sampler) and
+timed from launch to the sampled tokens on the host; the median of a few runs is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+import pagedserve
+from pagedserve.config import EngineConfig
+from pagedserve.errors import ConfigError
+from pagedserve.model.step import SamplingInputs, StepInputs
+from pagedserve.sim.cost import Calibration, CostModel, step_features
+
+_WARMUPS, _REPEATS = 2, 5
+
+
+def synthetic_step(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, vocab: int,
+                   rng: np.random.Generator) -> StepInputs:
+    """A step over sequences given as (query tokens, context length including them), each ending its
+    prompt chunk or decoding (so each samples). Blocks are handed out in order, wrapping around the pool:
+    the K/V they hold is whatever is there, which costs the same to read."""
+    tables, ids, positions, slots, next_block = [], [], [], [], 0
+    for q, s in seqs:
+        n = math.ceil(s / block_size)
+        table = (np.arange(next_block, next_block + n) % num_blocks).astype(np.int32)
+        next_block += n
+        pos = np.arange(s - q, s)
+        tables.append(table)
+        positions.append(pos)
+        slots.append(table[pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        ids.append(rng.integers(0, vocab, q))
+    width = max(len(t) for t in tables)
+    padded = np.zeros((len(seqs), width), dtype=np.int32)
+    for row, t in zip(padded, tables):
+        row[:len(t)] = t
+    query_lens = np.array([q for q, _ in seqs], dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    return StepInputs(np.concatenate(ids).astype(np.int64), np.concatenate(positions).astype(np.int64),
+                      np.concatenate(slots), query_lens, np.array([s for _, s in seqs], dtype=np.int32), padded,
+                      np.cumsum(query_lens) - 1, empty, empty)
+
+
+def step_grid(config: EngineConfig, num_blocks: int) -> list[list[tuple[int, int]]]:
+    """The shapes timed: decode batches x contexts, prompt chunks x offsets, and decodes with a chunk."""
+    cap_tokens = num_blocks * config.block_size
+    max_len, seqs_cap, chunk_cap = config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens
+
+    def fits(shape: list[tuple[int, int]]) -> bool:
+        return (len(shape) <= seqs_cap and sum(q for q, _ in shape) <= chunk_cap
+                and sum(s for _, s in shape) <= cap_tokens and all(s <= max_len for _, s in shape))
+
+    contexts = [c for c in (128, 512, 2048, 8192) if c <= max_len] or [max_len]
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= seqs_cap]
+    shapes = [[(1, c)] * b for c in contexts for b in batches]
+    chunks = [t for t in (16, 64, 256, 1024, 2048, 4096, 8192) if t <= chunk_cap]
+    shapes += [[(t, t + offset)] for t in chunks for offset in (0, 2048, 6144)]
+    shapes += [[(1, 1024)] * b + [(t, t)] for b in batches[2::2] for t in (256, 2048)]
+    return [s for s in shapes if fits(s)]
+
+
+def time_step(worker, inp: StepInputs) -> float:
+    """Median seconds from launching the step to its tokens on the host."""
+    sync = torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(_WARMUPS + _REPEATS):
+        sync()
+        t0 = time.perf_counter()
+        pending = worker.execute(inp, SamplingInputs.greedy_only())
+        pending.wait()
+        if i >= _WARMUPS:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def git_commit() -> str | None:
+    """The commit measured: PAGEDSERVE_COMMIT (for a copy without .git), else the checkout's HEAD."""
+    if os.environ.get("PAGEDSERVE_COMMIT"):
+        return os.environ["PAGEDSERVE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(pagedserve.__file__)).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def calibrate(args, log=print) -> Calibration:
+    """Start the engine's worker for ``args`` (``EngineArgs``), time the grid and fit the cost model."""
+    from pagedserve.model.worker import Worker
+
+    config = args.create_config()
+    worker = Worker(config)
+    try:
+        rng = np.random.default_rng(0)
+        shapes = step_grid(config, worker.budget.num_blocks)
+        samples = []
+        for k, shape in enumerate(shapes):
+            inp = synthetic_step(shape, config.block_size, worker.budget.num_blocks, config.model.vocab_size, rng)
+            t, ctx, work = step_features(inp)
+            seconds = time_step(worker, inp)
+            samples.append({"tokens": t, "decode_context": ctx, "prefill_work": work, "seqs": len(shape),
+                            "seconds": seconds})
+            log(f"[{k + 1}/{len(shapes)}] {len(shape)} seqs, {t} tokens, {ctx} decode context: {1e3 * seconds:.3f} ms")
+        cost, err = CostModel.fit(samples)
+        if config.device.type == "cuda":
+            gpu = torch.cuda.get_device_name(config.device)
+            total = torch.cuda.get_device_properties(config.device).total_memory
+        else:
+            gpu, total = "cpu", 0
+    finally:
+        worker.shutdown()
+    return Calibration(model=args.model, dtype=str(config.dtype).removeprefix("torch."),
+                       kv_cache_dtype=str(config.kv_dtype).removeprefix("torch."), gpu=gpu, gpu_memory_bytes=total,
+                       engine_args={k: v for k, v in vars(args).items() if v is not None}, cost=cost, mape=err,
+                       samples=samples, date=datetime.date.today().isoformat(), commit=git_commit(),
+                       pagedserve_version=pagedserve.__version__)
+
+
+def cmd_calibrate(ns: argparse.Namespace) -> None:
+    from pagedserve.args import engine_args_from
+
+    args = engine_args_from(ns)
+    if args.tensor_parallel_size != 1:
+        raise ConfigError("--tensor-parallel-size: calibrate times one GPU; the simulator models one GPU.")
+    cal = calibrate(args)
+    cal.save(ns.output)
+    print(cal.describe())
+    print(f"Wrote {ns.output}; use it with `pagedserve bench sweep {args.model} --simulate {ns.output}` or "
+          f"`pagedserve tune {args.model} --simulate {ns.output}`.")

@@ -1,0 +1,97 @@
+"""``bench serve``'s load, simulated: the same arrivals (a rate, a burstiness, a cap on requests in flight)
+fed to the real engine core over a ``SimulatedWorker``, timed on a virtual clock, and measured with the
+same metrics (``bench.metrics``), so a simulated rung reads like a measured one.
+
+The clock follows the engine's pipeline: a step launches at the host's time and starts when the device is
+free (the step before ends); ``core.step`` returns the tokens of the step launched before, at its end.
+Host work is taken to hide behind the device's, as the engine's one step in flight makes it do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from pagedserve.bench.datasets import SampleRequest
+from pagedserve.bench.metrics import METRIC_KEYS, RequestResult, calculate_metrics
+from pagedserve.bench.serve import arrival_delays
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.request import Request
+from pagedserve.memory import MemoryBudget
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.sim.cost import CostModel
+from pagedserve.sim.executor import SimulatedWorker
+
+PERCENTILES = [50.0, 95.0, 99.0]
+
+
+def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[SampleRequest], *,
+                  max_concurrency: int | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
+                  seed: int = 0, goodput: dict[str, float] | None = None) -> dict:
+    """One run of ``samples`` (token-id prompts) on a fresh engine core; returns what ``run_benchmark``
+    returns, less the per-request arrays, with the engine's own peaks and preemptions."""
+    worker = SimulatedWorker(budget, cost)
+    core = EngineCore(config, worker=worker)
+    n = len(samples)
+    arrivals = arrival_delays(n, request_rate, burstiness, seed)
+    results = [RequestResult(prompt_len=s.prompt_len) for s in samples]
+    stamps: list[list[float]] = [[] for _ in samples]
+    waiting: deque[int] = deque()     # arrived, waiting for a slot under the cap
+    in_flight: dict[str, int] = {}
+    now, next_arrival, done = 0.0, 0, 0
+    step_end: float | None = None     # when the step in flight ends
+    while done < n:
+        while next_arrival < n and arrivals[next_arrival] <= now:
+            waiting.append(next_arrival)
+            next_arrival += 1
+        while waiting and (max_concurrency is None or len(in_flight) < max_concurrency):
+            i = waiting.popleft()
+            s = samples[i]
+            params = SamplingParams(temperature=0.0, max_tokens=s.expected_output_len, ignore_eos=True)
+            core.add_request(Request(str(i), list(s.prompt), params, (), s.expected_output_len, arrival_time=now))
+            results[i].start_time = now
+            in_flight[str(i)] = i
+        if not core.has_unfinished:  # idle until the next arrival
+            now = float(arrivals[next_arrival])
+            continue
+        launched_at = now
+        outputs = core.step()
+        if step_end is not None:  # these are the tokens of the step that just ended
+            now = max(now, step_end)
+        finished_at, step_end = now, None
+        if worker.launched:
+            step_end = max(launched_at, finished_at) + worker.launched.pop()
+        for out in outputs:
+            i = in_flight.get(out.request_id)
+            if i is None:
+                continue
+            if out.token_id is not None:
+                stamps[i].append(finished_at)
+            if out.finish_reason is not None:
+                del in_flight[out.request_id]
+                done += 1
+    for r, ts in zip(results, stamps):
+        r.success, r.output_tokens = True, len(ts)
+        r.ttft, r.latency = ts[0] - r.start_time, ts[-1] - r.start_time
+        r.itl = [b - a for a, b in zip(ts, ts[1:])]
+    peaks = core.peaks
+    out = {
+        "num_prompts": n,
+        "request_rate": "inf" if math.isinf(request_rate) else request_rate,
+        "burstiness": burstiness,
+        "max_concurrency": max_concurrency,
+        **calculate_metrics(results, now, PERCENTILES, list(METRIC_KEYS), goodput or {}),
+        "server_preemptions": core.counters.num_preemptions,
+        "server_peak_kv_cache_usage": peaks.kv_cache_usage,
+        "server_peak_num_requests_running": peaks.num_running,
+        "server_peak_num_requests_waiting": peaks.num_waiting,
+        "server_peak_device_memory_bytes": worker.device_memory()[1],
+        "server_peak_nvml_device_memory_bytes": None,
+        "server_peaks_exact": True,
+        "server_metrics_scrapes": 0,
+        "server_metrics_scrape_failures": 0,
+        "error_counts": {},
+        "max_input_len": max(s.prompt_len for s in samples),
+        "simulated_steps": core.counters.num_steps,
+    }
+    return out
