@@ -59,7 +59,7 @@ def test_recovery_waits_for_the_dwell_and_the_hold_and_does_not_flap():
     # clear from t=300: the hold (20 s) ends at 320, long after the dwell (60 s)
     switches = feed(ctrl, [(t, {"kv_cache_usage": 0.5}) for t in range(300, 330)])
     assert [(s.at, s.to_profile) for s in switches] == [(320, "normal")]
-    assert "for 20 s after 310 s in protect" in switches[0].reason
+    assert "for 20 s, after 310 s in protect" in switches[0].reason
 
 
 def test_recovery_is_held_back_by_the_minimum_dwell():
@@ -78,6 +78,26 @@ def test_missing_data_never_fires_nor_blocks_recovery_and_several_triggers_name_
     assert sw.reason == "itl_p95_ms 80 > 50; queue_depth 9 > 4"
     switches = feed(ctrl, [(t, {"itl_p95_ms": None, "queue_depth": 0.0}) for t in range(2, 100)])
     assert [s.to_profile for s in switches] == ["normal"]
+
+
+def test_recovery_judges_the_cause_and_holds_the_other_signals_to_their_level():
+    # protect's smaller batches raise TTFT for the same traffic: once the long prompts are gone, a TTFT
+    # above its clear level but below its fire level must not keep the server in protect
+    ctrl = ProfileController(spec(long_prompts_per_min={"above": 4, "for_s": 0}, long_prompt_tokens=100,
+                                  ttft_p95_ms={"above": 1000, "for_s": 10}))
+    sw = ctrl.update(0, {"long_prompts_per_min": 9.0, "ttft_p95_ms": 300.0})
+    assert sw.to_profile == "protect"
+    # the burst counts for a while; TTFT under protect sits at 900 ms (clear level 800, fire level 1000)
+    assert feed(ctrl, [(t, {"long_prompts_per_min": 9.0, "ttft_p95_ms": 900.0}) for t in range(1, 100)]) == []
+    switches = feed(ctrl, [(t, {"long_prompts_per_min": 0.0, "ttft_p95_ms": 900.0}) for t in range(100, 130)])
+    assert [(s.at, s.to_profile) for s in switches] == [(120, "normal")]
+    assert switches[0].reason.startswith("long_prompts_per_min at or below the clear level")
+    # a signal that is not the cause but above its own level still blocks the return
+    ctrl = ProfileController(spec(long_prompts_per_min={"above": 4, "for_s": 0}, long_prompt_tokens=100,
+                                  ttft_p95_ms={"above": 1000, "for_s": 10}))
+    ctrl.update(0, {"long_prompts_per_min": 9.0})
+    assert feed(ctrl, [(t, {"long_prompts_per_min": 0.0, "ttft_p95_ms": 1500.0}) for t in range(1, 200)]) == []
+    assert ctrl.active == "protect"
 
 
 def test_a_manual_switch_pins_until_auto():

@@ -11,8 +11,9 @@ The file is YAML (``pagedserve tune`` writes one; ``pagedserve serve --profiles 
       kv_cache_usage: {above: 0.9, for_s: 10}
       preemptions_per_min: {above: 0}
       itl_p95_ms: {above: 50, for_s: 10}
-    recovery: {min_dwell_s: 120, hold_s: 60}   # back to normal when every signal is at or below its
-                                               # clear level for hold_s, after at least min_dwell_s
+    recovery: {min_dwell_s: 120, hold_s: 60}   # back to normal when what switched is at or below its
+                                               # clear level (and nothing else above its level) for
+                                               # hold_s, after at least min_dwell_s
 
 A profile's scheduler limits change between two steps; its ingress limits apply to the next request;
 ``restart`` lists settings that need a restart and are never applied live (the runbook's manual steps).
@@ -36,7 +37,7 @@ SIGNAL_HELP = {
     "ttft_p95_ms": "p95 time to first token over the window, ms",
     "itl_p95_ms": "p95 inter-token latency over the window, ms",
     "queue_depth": "requests waiting for a slot (vllm:num_requests_waiting)",
-    "long_prompts_per_min": "prompts longer than long_prompt_tokens admitted over the last minute",
+    "long_prompts_per_min": "prompts longer than long_prompt_tokens arriving (admitted or not) over the last minute",
 }
 RESTART_SETTINGS = ("kv_cache_dtype", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
                     "max_num_batched_tokens", "enable_chunked_prefill")
@@ -174,8 +175,11 @@ class Switch:
 @dataclass
 class ProfileController:
     """Normal -> protect when any trigger's signal has stayed above its level for its ``for_s``; protect ->
-    normal when every signal has stayed at or below its clear level (hysteresis) for ``hold_s`` and protect
-    has lasted ``min_dwell_s``, so a signal hovering at a level cannot make the server flap. A manual
+    normal when the signals that caused the switch have stayed at or below their clear level (hysteresis)
+    for ``hold_s``, no other signal is above its level, and protect has lasted ``min_dwell_s``, so a signal
+    hovering at a level cannot make the server flap. The other signals are held to the trigger level, not
+    the clear level: protect's smaller batches raise TTFT and the queue for the same traffic, so under
+    protect they would never look as they did under normal, and the server would never come back. A manual
     switch pins the profile until ``pin(None)`` hands control back."""
 
     spec: ProfilesFile
@@ -185,6 +189,7 @@ class ProfileController:
     last_switch: Switch | None = None
     _above_since: dict[str, float] = field(default_factory=dict)
     _clear_since: float | None = None
+    _causes: frozenset[str] = frozenset()             # the signals that switched to protect
 
     def pin(self, profile: str | None, now: float) -> Switch | None:
         """Switch by hand and hold it (``None``: back to automatic switching)."""
@@ -205,7 +210,8 @@ class ProfileController:
                 self._above_since.setdefault(name, now)
             else:
                 self._above_since.pop(name, None)
-        clear = all(values.get(n) is None or values[n] <= t.clear_level for n, t in triggers.items())
+        clear = all(values.get(n) is None or values[n] <= (t.clear_level if n in self._causes else t.above)
+                    for n, t in triggers.items())
         if not clear:
             self._clear_since = None
         elif self._clear_since is None:
@@ -217,13 +223,15 @@ class ProfileController:
             if fired:
                 reason = "; ".join(f"{n} {values[n]:.3g} > {triggers[n].above:g}"
                                    + (f" for {triggers[n].for_s:g} s" if triggers[n].for_s else "") for n in fired)
-                return self._switch("protect", now, reason, values)
+                return self._switch("protect", now, reason, values, causes=frozenset(fired))
         elif self.active == "protect":
             rec = self.spec.recovery
             if (self._clear_since is not None and now - self._clear_since >= rec.hold_s
                     and now - self.since >= rec.min_dwell_s):
-                return self._switch("normal", now, f"every signal at or below its clear level for {rec.hold_s:g} s "
-                                                   f"after {now - self.since:.0f} s in protect", values)
+                causes = ", ".join(sorted(self._causes)) or "no cause (switched by hand)"
+                return self._switch("normal", now, f"{causes} at or below the clear level and no trigger above its "
+                                                   f"level for {rec.hold_s:g} s, after {now - self.since:.0f} s in "
+                                                   f"protect", values)
         return None
 
     def earliest_recovery(self, now: float) -> float:
@@ -232,13 +240,14 @@ class ProfileController:
         held = 0.0 if self._clear_since is None else now - self._clear_since
         return max(rec.min_dwell_s - (now - self.since), rec.hold_s - held, 1.0)
 
-    def _switch(self, to: str, now: float, reason: str, values: dict, manual: bool = False) -> Switch | None:
+    def _switch(self, to: str, now: float, reason: str, values: dict, manual: bool = False,
+                causes: frozenset[str] = frozenset()) -> Switch | None:
         if to not in self.spec.profiles:
             raise ConfigError(f"profile {to!r}: choose one of {', '.join(self.spec.profiles)} (or auto).")
         if to == self.active:
             return None
         sw = Switch(now, self.active, to, reason, {k: v for k, v in values.items() if v is not None}, manual)
-        self.active, self.since, self.last_switch = to, now, sw
+        self.active, self.since, self.last_switch, self._causes = to, now, sw, causes
         self._above_since.clear()
         self._clear_since = None
         return sw

@@ -86,7 +86,7 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
     add(f"**Serve with:** `{serve_command} --profiles profiles.yaml`")
     add("")
     add("The server starts in the **normal** profile and switches to **protect** by itself when a trigger fires, "
-        "and back when every signal has cleared; `GET /admin/profile` shows which is active and why, "
+        "and back when what switched it has cleared; `GET /admin/profile` shows which is active and why, "
         "`POST /admin/profile {\"profile\": \"protect\"}` switches by hand and pins it, `{\"profile\": \"auto\"}` "
         "hands control back. Accepted requests are never dropped by a switch.")
     add("")
@@ -110,9 +110,11 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
     add("## Triggers")
     add("")
     add(f"The server samples these every {spec.tick_s:g} s; latency percentiles are over the last {spec.window_s:g} s. "
-        f"It switches to protect when one stays above its level for its time, and back to normal when every one "
-        f"has stayed at or below its clear level for {spec.recovery.hold_s:g} s after at least "
-        f"{spec.recovery.min_dwell_s:g} s in protect (hysteresis: it does not flap).")
+        f"It switches to protect when one stays above its level for its time, and back to normal when the ones "
+        f"that switched it have stayed at or below their clear level, and no other above its level, for "
+        f"{spec.recovery.hold_s:g} s after at least {spec.recovery.min_dwell_s:g} s in protect (hysteresis: it "
+        f"does not flap; the others are held to their level because protect's smaller batches raise TTFT and "
+        f"the queue for the same traffic).")
     add("")
     add("| signal | fires above | for | clears at or below | PromQL (alerts.yaml) | threshold from |")
     add("|---|---|---|---|---|---|")
@@ -155,7 +157,8 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
     add("")
     add("## Returning to normal")
     add("")
-    add(f"Automatic: every signal at or below its clear level for {spec.recovery.hold_s:g} s, after at least "
+    add(f"Automatic: the signals that switched at or below their clear level, and no other above its level, "
+        f"for {spec.recovery.hold_s:g} s, after at least "
         f"{spec.recovery.min_dwell_s:g} s in protect. By hand: POST `{{\"profile\": \"normal\"}}`, then "
         f"`{{\"profile\": \"auto\"}}` to let the triggers decide again. Check afterwards: "
         f"`pagedserve:profile_active{{profile=\"normal\"}} == 1`, no preemptions in the last minute, p95 TTFT and ITL "
