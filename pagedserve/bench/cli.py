@@ -93,11 +93,14 @@ def cmd_bench_sweep(ns: argparse.Namespace) -> None:
         return
     external = ns.base_url is not None or ns.host is not None or ns.port is not None
     grid = parse_grid(ns.grid)
-    if external and (ns.serve_args or grid):
-        raise ConfigError("--serve-args and --grid start servers of the sweep's own; they cannot be used with "
-                          "--base-url/--host/--port (a server that is already running).")
+    if external and (ns.serve_args or grid or ns.simulate):
+        raise ConfigError("--serve-args, --grid and --simulate describe servers of the sweep's own; they cannot be "
+                          "used with --base-url/--host/--port (a server that is already running).")
     if not external and ns.model is None:
-        raise ConfigError("Give --base-url (or --host/--port) of a running server, or --model to start one.")
+        raise ConfigError("Give --base-url (or --host/--port) of a running server, or --model to start one"
+                          + (" (--simulate needs --model too)." if ns.simulate else "."))
+    if ns.gpu_memory is not None and not ns.simulate:
+        raise ConfigError("--gpu-memory sizes a simulated GPU: give it with --simulate.")
     flags = serve_flags(ns.serve_args)
     if external:
         base = (ns.base_url or f"http://{ns.host or '127.0.0.1'}:{ns.port or 8000}").rstrip("/")
@@ -107,7 +110,14 @@ def cmd_bench_sweep(ns: argparse.Namespace) -> None:
     runs = [(f"{grid[0]}={v}", v, with_flag(flags, grid[0], v)) for v in grid[1]] if grid else [("server", None, flags)]
     for _, _, server_flags in runs:
         check_serve_flags(ns.model, server_flags)
-    run_sweep(ns, plan, result_dir(ns.result_dir), serve_flags=flags, runs=runs, grid=grid)
+    simulate = None
+    if ns.simulate:
+        from pagedserve.sim.ladder import Simulation
+
+        simulate = Simulation.load(ns.simulate, ns.gpu_memory)
+        for _, _, server_flags in runs:  # every engine of the grid starts on the simulated GPU
+            simulate.engine(ns.model, server_flags)
+    run_sweep(ns, plan, result_dir(ns.result_dir), serve_flags=flags, runs=runs, grid=grid, simulate=simulate)
 
 
 def cmd_bench_throughput(ns: argparse.Namespace) -> None:
@@ -204,6 +214,17 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
     p.add_argument("--disable-tqdm", action="store_true")
 
 
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    from pagedserve.sim.cost import shipped
+
+    g = p.add_argument_group("simulation (no GPU)")
+    g.add_argument("--simulate", default=None, metavar="CALIBRATION",
+                   help="Run the ladder on the engine's own scheduler with steps priced by a calibration (a file "
+                        "from `pagedserve calibrate`, or a shipped one: " + ", ".join(sorted(shipped())) + ").")
+    g.add_argument("--gpu-memory", type=float, default=None,
+                   help="GiB of the simulated GPU (default: the calibration GPU's).")
+
+
 def add_bench_parser(sub) -> None:
     from pagedserve.args import add_engine_args
 
@@ -250,6 +271,7 @@ def add_bench_parser(sub) -> None:
                    help="Repeat the ladder for each value of one server flag, e.g. max_num_seqs=16,32,64 (one "
                         "variable at a time).")
     g.add_argument("--api-key", default=None)
+    add_simulate_args(w)
     w.add_argument("--reanalyze", default=None, metavar="DIR",
                    help="Measure nothing: place the knee and the recommendation again, with the knee and --slo "
                         "flags given, on the rungs a sweep saved in DIR/sweep.json, and rewrite its artefacts.")

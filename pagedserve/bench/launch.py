@@ -3,6 +3,7 @@ their own (``bench sweep --model``, ``tune``): started, waited for on /health, s
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import signal
@@ -39,14 +40,16 @@ def serve_flags(serve_args: str) -> list[str]:
     return flags
 
 
-def check_serve_flags(model: str, flags: list[str]) -> None:
+def check_serve_flags(model: str, flags: list[str]) -> argparse.Namespace:
+    """``pagedserve serve MODEL FLAGS`` parsed by serve's own parser (a wrong flag is named before any
+    server starts)."""
     from pagedserve.args import Parser
     from pagedserve.server.cli import add_serve_parser
 
     parser = Parser(prog="pagedserve")
     add_serve_parser(parser.add_subparsers())
     try:
-        parser.parse_args(["serve", model, *flags])
+        return parser.parse_args(["serve", model, *flags])
     except SystemExit as e:  # argparse has printed which flag is wrong
         raise ConfigError(f"--serve-args {' '.join(flags)!r} is not a valid `pagedserve serve` command line "
                           f"(see the message above).") from e

@@ -61,6 +61,8 @@ def table_header(doc: dict) -> list[str]:
 
 def _describe_target(doc: dict) -> str:
     t = doc["target"]
+    if "simulated" in t:
+        return f"`{' '.join(t['command'])}`, **simulated** ({t['simulated']})"
     if "base_url" in t:
         return f"the server at {t['base_url']}"
     return f"`{' '.join(t['command'])}` (started by the sweep)"

@@ -15,7 +15,6 @@ import asyncio
 import json
 import math
 import statistics
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -174,14 +173,14 @@ def progress_line(i: int, n: int, unit: str, load: float, r: dict) -> str:
 
 
 def run_ladder(plan: SweepPlan, measure: Callable[[int, float], dict],
-               on_rung: Callable[[list[dict]], None] | None = None, out=sys.stdout) -> dict:
+               on_rung: Callable[[list[dict]], None] | None = None) -> dict:
     """Every rung in order (``measure(index, load)`` gives one: over HTTP, or simulated), then the knee;
     ``on_rung`` sees the rungs so far (to save partial results)."""
     rungs: list[dict] = []
     for i, load in enumerate(plan.loads):
         rung = measure(i, load)
         rungs.append(rung)
-        print(progress_line(i, len(plan.loads), plan.unit, load, rung), file=out, flush=True)
+        print(progress_line(i, len(plan.loads), plan.unit, load, rung), flush=True)
         if on_rung is not None:
             on_rung(rungs)
     knee = find_knee(rungs, plan.loads, plan.knee, plan.unit)
@@ -311,7 +310,7 @@ def plan_from(ns: argparse.Namespace) -> SweepPlan:
 
 def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url: str | None = None,
               serve_flags: list[str] = (), runs: list[tuple[str, str | None, list[str]]] = (),
-              grid: tuple[str, list[str]] | None = None, simulate=None, out=sys.stdout) -> dict:
+              grid: tuple[str, list[str]] | None = None, simulate=None) -> dict:
     """One ladder against ``base_url``, or one per ``runs`` entry (label, grid value, serve flags) against a
     server started for it, or, with ``simulate`` (a ``sim.ladder.Simulation``), against the engine's own
     scheduler on that calibration's cost model. sweep.json is rewritten after every rung and every artefact
@@ -324,7 +323,8 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
                   {"command": ["pagedserve", "serve", ns.model, *serve_flags]})
     if simulate is not None:
         target_doc["simulated"] = simulate.describe()
-    draw = samples_factory(ns, None if simulate else client_tokenizer(ns.tokenizer, ns.model))
+    ids_only = simulate is not None and ns.dataset_name == "random"  # the simulator needs lengths, not text
+    draw = samples_factory(ns, None if ids_only else client_tokenizer(ns.tokenizer, ns.model))
     goodput = goodput_of(plan.knee.slo)
     ladders: list[dict] = []
 
@@ -343,14 +343,14 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
             doc = {**document(), "in_progress": {"label": label, "rungs": rungs}}
             (folder / "sweep.json").write_text(json.dumps(doc, indent=2))
 
-        result = run_ladder(plan, measure, save_partial, out)
+        result = run_ladder(plan, measure, save_partial)
         ladders.append({"label": label, "grid_value": value, **extra, **result})
         if grid:
             print(f"{label}: {result['knee']['reason']}\n{label}: {result['knee']['recommendation_reason']}",
-                  file=out, flush=True)
+                  flush=True)
         write_artefacts(document(), folder)
 
-    print(f"Sweep: {plan.unit} {', '.join(f'{x:g}' for x in plan.loads)}; results in {folder}", file=out, flush=True)
+    print(f"Sweep: {plan.unit} {', '.join(f'{x:g}' for x in plan.loads)}; results in {folder}", flush=True)
     try:
         if base_url:
             ladder(over_http(base_url), "server", None, {})
@@ -361,7 +361,7 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
                 continue
             log = folder / (f"server-{grid[0]}-{value}.log" if grid else "server.log")
             server = LocalServer(ns.model, flags, log, ns.server_start_timeout)
-            print(f"Starting `{' '.join(server.command)}` (log: {log})", file=out, flush=True)
+            print(f"Starting `{' '.join(server.command)}` (log: {log})", flush=True)
             with server:
                 ladder(over_http(server.base_url), label, value, {"server_command": server.command,
                                                                   "server_log": log.name})
@@ -371,15 +371,14 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
     doc = document()
     paths = write_artefacts(doc, folder)
     for lad in doc["ladders"] if not grid else ():
-        print(lad["knee"]["reason"], file=out)
+        print(lad["knee"]["reason"])
     rec = doc["recommendation"]
-    print(f"Recommendation: {rec['reason'] if rec else 'none. ' + doc['ladders'][-1]['knee']['recommendation_reason']}",
-          file=out)
-    print("Wrote " + ", ".join(str(p) for p in paths), file=out, flush=True)
+    print(f"Recommendation: {rec['reason'] if rec else 'none. ' + doc['ladders'][-1]['knee']['recommendation_reason']}")
+    print("Wrote " + ", ".join(str(p) for p in paths), flush=True)
     return doc
 
 
-def reanalyze(folder: Path, knee: KneeSettings, out=sys.stdout) -> dict:
+def reanalyze(folder: Path, knee: KneeSettings) -> dict:
     """Place the knees and the recommendation again, with other settings, on the rungs a sweep measured
     (sweep.json in ``folder``), and rewrite its artefacts; nothing is measured again."""
     from pagedserve.bench.report import write_artefacts
@@ -392,13 +391,12 @@ def reanalyze(folder: Path, knee: KneeSettings, out=sys.stdout) -> dict:
     plan = SweepPlan(doc["mode"], doc["loads"], knee=knee)
     for lad in doc["ladders"]:
         lad["knee"] = find_knee(lad["rungs"], [r["load"] for r in lad["rungs"]], knee, unit).to_json()
-        print(f"{lad['label']}: {lad['knee']['reason']}\n{lad['label']}: {lad['knee']['recommendation_reason']}",
-              file=out)
+        print(f"{lad['label']}: {lad['knee']['reason']}\n{lad['label']}: {lad['knee']['recommendation_reason']}")
     doc.update(slo=knee.slo, knee_settings=asdict(knee),
                recommendation=recommendation(doc["ladders"], plan, doc["grid"]["param"] if doc["grid"] else None),
                reanalyzed={"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "measured": doc["date"]})
     doc.pop("in_progress", None)
     paths = write_artefacts(doc, folder)
     rec = doc["recommendation"]
-    print(f"Recommendation: {rec['reason'] if rec else 'none'}\nRewrote " + ", ".join(str(p) for p in paths), file=out)
+    print(f"Recommendation: {rec['reason'] if rec else 'none'}\nRewrote " + ", ".join(str(p) for p in paths))
     return doc

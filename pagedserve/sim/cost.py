@@ -1,19 +1,23 @@
 """What a step costs on one GPU, from what the step holds: a model fitted to steps measured there.
 
-    step seconds = e + b * max(T*, T) + c * K + d * Q
+    device seconds = e + b * max(T*, T) + c * K + d * Q
+    step seconds   = device seconds for a CUDA-graph replay, max(H, device seconds) for an eager step,
+                     max(M, device seconds) for an eager step that mixes decodes and prompt chunks
 
 T: tokens in the step (prompt and decode). The projections read every weight once whatever T is, and
 compute 2 x params FLOPs a token: below T* tokens reading the weights is the cost, above it computing is
 (a roofline), hence b * max(T*, T). K: context tokens the decodes' attention reads (their K/V bytes).
 Q: for prompt chunks, query tokens x positions attended (prefill attention grows with both). e: what
-every step pays (launches, sampling, the host's share). Fitted by least squares on relative error over
-a scan of T*; each coefficient keeps a physical meaning, so a calibration can be read and checked.
+every step pays (sampling, the copy of the tokens back). H: an eager step (any prompt tokens, or a decode
+batch without a graph) cannot end before the host has launched its kernels one by one; M: the same for a
+mixed step, which launches both attention paths in every layer. Fitted by least squares on relative error
+over a scan of T*, H and M; each coefficient keeps a physical meaning, so a calibration can be read and
+checked.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -21,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedserve.errors import ConfigError
+from pagedserve.model.runner import decode_graph_sizes
 from pagedserve.model.step import StepInputs
 
 FEATURES = ("tokens", "decode_context", "prefill_work")
@@ -33,39 +38,71 @@ def step_features(inp: StepInputs) -> tuple[int, int, int]:
     return int(q.sum()), int(s[decode].sum()), int((q[~decode] * s[~decode]).sum())
 
 
+def largest_graph(config) -> int:
+    """The largest decode batch the engine of ``config`` replays as a CUDA graph (0: every step is eager)."""
+    if config.device.type != "cuda" or config.args.enforce_eager or config.args.attention_backend == "torch":
+        return 0
+    return decode_graph_sizes(config.max_num_seqs)[-1]
+
+
+def step_kind(inp: StepInputs, graph_cap: int) -> str:
+    """"graph" (a captured decode graph replayed), "mixed" (decodes and prompt chunks, launched kernel by
+    kernel) or "eager" (launched kernel by kernel)."""
+    if inp.decode_only and len(inp.query_lens) <= graph_cap:
+        return "graph"
+    decode = inp.query_lens == 1
+    return "mixed" if decode.any() and not decode.all() else "eager"
+
+
 @dataclass
 class CostModel:
     breakpoint: float        # T*: tokens below which a step's projections cost the weights' read
     per_token: float         # b: seconds a token of projections above T* (and T* x b below it)
     per_context: float       # c: seconds a context token a decode reads
     per_prefill_work: float  # d: seconds a (prompt token x position) of prefill attention
-    fixed: float             # e: seconds every step pays
+    fixed: float             # e: seconds every step's device work pays
+    eager_floor: float       # H: seconds an eager step takes at least (the host launching its kernels)
+    mixed_floor: float       # M: the same for a step that mixes decodes and prompt chunks
 
-    def seconds(self, tokens: int, decode_context: int, prefill_work: int) -> float:
+    def device_seconds(self, tokens: int, decode_context: int, prefill_work: int) -> float:
         return (self.fixed + self.per_token * max(self.breakpoint, tokens) + self.per_context * decode_context
                 + self.per_prefill_work * prefill_work)
 
-    def step_seconds(self, inp: StepInputs) -> float:
-        return self.seconds(*step_features(inp))
+    def seconds(self, tokens: int, decode_context: int, prefill_work: int, kind: str) -> float:
+        device = self.device_seconds(tokens, decode_context, prefill_work)
+        return device if kind == "graph" else max(self.mixed_floor if kind == "mixed" else self.eager_floor, device)
 
     @classmethod
     def fit(cls, samples: list[dict]) -> tuple["CostModel", float]:
-        """Least squares on relative error over a scan of the breakpoint; returns the model and its mean
-        absolute percentage error on ``samples`` ({"tokens", "decode_context", "prefill_work", "seconds"})."""
+        """Least squares on relative error over a scan of the breakpoint and the two floors; returns the
+        model and its mean absolute percentage error on ``samples`` ({"tokens", "decode_context",
+        "prefill_work", "kind", "seconds"}). For each pair of floors, the device terms are fitted to the
+        steps they do not hold up (graph replays, and eager steps measured above their floor)."""
         if len(samples) < 5:
             raise ConfigError("A cost model needs at least five measured steps.")
         x = np.array([[s[f] for f in FEATURES] for s in samples], dtype=float)
         y = np.array([s["seconds"] for s in samples], dtype=float)
+        kind = np.array([s["kind"] for s in samples])
+        eager, mixed = kind == "eager", kind == "mixed"
+
+        def candidates(mask: np.ndarray) -> np.ndarray:  # 0, or a time measured in the lower half of the kind
+            return np.concatenate([[0.0], np.unique(y[mask & (y <= np.median(y[mask]))])]) if mask.any() else np.zeros(1)
+
+        bps = np.unique(np.concatenate([[1.0], np.geomspace(1, max(2.0, x[:, 0].max()), 64)]))
+        a_all = [np.column_stack([np.maximum(bp, x[:, 0]), x[:, 1], x[:, 2], np.ones(len(y))]) for bp in bps]
         best = None
-        for bp in np.unique(np.concatenate([[1.0], np.geomspace(1, max(2.0, x[:, 0].max()), 64)])):
-            a = np.column_stack([np.maximum(bp, x[:, 0]), x[:, 1], x[:, 2], np.ones(len(y))]) / y[:, None]
-            coef = _nonnegative_lstsq(a, np.ones(len(y)))
-            pred = np.column_stack([np.maximum(bp, x[:, 0]), x[:, 1], x[:, 2], np.ones(len(y))]) @ coef
-            err = float(np.mean(np.abs(pred - y) / y))
-            if best is None or err < best[0]:
-                best = (err, bp, coef)
-        err, bp, (b, c, d, e) = best
-        return cls(float(bp), float(b), float(c), float(d), float(e)), err
+        for h in candidates(eager):
+            for m in candidates(mixed):
+                floor = np.where(eager, h, np.where(mixed, m, 0.0))
+                free = y > floor
+                for bp, a in zip(bps, a_all):
+                    coef = _nonnegative_lstsq(a[free] / y[free, None], np.ones(int(free.sum())))
+                    pred = np.maximum(floor, a @ coef)
+                    err = float(np.mean(np.abs(pred - y) / y))
+                    if best is None or err < best[0]:
+                        best = (err, h, m, bp, coef)
+        err, h, m, bp, (b, c, d, e) = best
+        return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m)), err
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -111,10 +148,11 @@ class Calibration:
     def describe(self) -> str:
         c = self.cost
         return (f"{self.model} ({self.dtype}, KV {self.kv_cache_dtype}) on {self.gpu}, measured {self.date}"
-                f"{f' at {self.commit}' if self.commit else ''}: a step costs {1e3 * c.fixed:.3f} ms + "
+                f"{f' at {self.commit}' if self.commit else ''}: a step's device time is {1e3 * c.fixed:.3f} ms + "
                 f"{1e6 * c.per_token:.2f} us x max({c.breakpoint:.0f}, tokens) + {1e9 * c.per_context:.2f} ns a "
-                f"context token decoded + {1e12 * c.per_prefill_work:.3f} ps a prompt token x position "
-                f"(fit error {100 * self.mape:.1f} %)")
+                f"context token decoded + {1e12 * c.per_prefill_work:.3f} ps a prompt token x position; an eager "
+                f"step takes at least {1e3 * c.eager_floor:.2f} ms, a mixed one {1e3 * c.mixed_floor:.2f} ms (fit "
+                f"error {100 * self.mape:.1f} %)")
 
 
 def shipped() -> dict[str, Path]:
@@ -134,7 +172,3 @@ def load_calibration(name_or_path: str) -> Calibration:
         return Calibration.from_json(json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError, KeyError) as e:
         raise ConfigError(f"--simulate {path}: not a calibration file ({e}).") from e
-
-
-def mape(predicted: list[float], measured: list[float]) -> float:
-    return float(np.mean([abs(p - m) / m for p, m in zip(predicted, measured) if m > 0])) if measured else math.nan

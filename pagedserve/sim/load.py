@@ -30,7 +30,7 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
                   seed: int = 0, goodput: dict[str, float] | None = None) -> dict:
     """One run of ``samples`` (token-id prompts) on a fresh engine core; returns what ``run_benchmark``
     returns, less the per-request arrays, with the engine's own peaks and preemptions."""
-    worker = SimulatedWorker(budget, cost)
+    worker = SimulatedWorker(config, budget, cost)
     core = EngineCore(config, worker=worker)
     n = len(samples)
     arrivals = arrival_delays(n, request_rate, burstiness, seed)
@@ -70,6 +70,9 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
             if out.finish_reason is not None:
                 del in_flight[out.request_id]
                 done += 1
+    if core.pool.num_free_blocks != budget.num_blocks:  # every finished request gives its blocks back
+        raise RuntimeError(f"{budget.num_blocks - core.pool.num_free_blocks} KV blocks still held after every "
+                           f"request finished")
     for r, ts in zip(results, stamps):
         r.success, r.output_tokens = True, len(ts)
         r.ttft, r.latency = ts[0] - r.start_time, ts[-1] - r.start_time

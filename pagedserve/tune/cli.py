@@ -69,10 +69,22 @@ def cmd_tune(ns: argparse.Namespace) -> None:
     from pagedserve.tune.runbook import alert_rules, runbook
 
     from pagedserve.config import resolve_model
+    from pagedserve.errors import ConfigError
 
     args = engine_args_from(ns)
     resolve_model(args.model, args.load_format)  # e.g. a built-in name without --load-format dummy
-    gpu = gpu_facts() if args.device != "cpu" else None
+    flags = engine_flags(args)
+    simulate = None
+    if ns.simulate:
+        from pagedserve.sim.ladder import Simulation
+
+        simulate = Simulation.load(ns.simulate, ns.gpu_memory)
+        simulate.engine(args.model, flags)
+        gpu = (simulate.gpu_memory_bytes, f"{simulate.calibration.gpu} (simulated)")
+    elif ns.gpu_memory is not None:
+        raise ConfigError("--gpu-memory sizes a simulated GPU: give it with --simulate.")
+    else:
+        gpu = gpu_facts() if args.device != "cpu" else None
     config = args.create_config(plan_for="cuda" if gpu else None)  # as the server will resolve it
     plan = plan_from(ns)
     folder = result_dir(ns.result_dir, "tune")
@@ -80,9 +92,8 @@ def cmd_tune(ns: argparse.Namespace) -> None:
     (folder / "plan.txt").write_text(plan_text + "\n")
     print(f"Memory plan on {device}:\n{plan_text}\n", flush=True)
 
-    flags = engine_flags(args)
     ns.api_key = None
-    doc = run_sweep(ns, plan, folder, serve_flags=flags, runs=[("server", None, flags)])
+    doc = run_sweep(ns, plan, folder, serve_flags=flags, runs=[("server", None, flags)], simulate=simulate)
     d = derive(doc, config, model=args.model)
     check_against_engine(d.spec, config)  # what serve --profiles will check
     serve = " ".join(["pagedserve", "serve", args.model, *flags])
@@ -91,7 +102,7 @@ def cmd_tune(ns: argparse.Namespace) -> None:
               f"Every value's source is in RUNBOOK.md.")
     (folder / "profiles.yaml").write_text(dump_profiles(d.spec, header))
     (folder / "RUNBOOK.md").write_text(runbook(d, doc, model=args.model, device=device, serve_command=serve,
-                                               plan_text=plan_text))
+                                               plan_text=plan_text, simulated=simulate is not None))
     (folder / "alerts.yaml").write_text(alert_rules(d, args.model))
     normal, protect = d.spec.profiles["normal"], d.spec.profiles["protect"]
     print(f"\nnormal:  --max-num-seqs {normal.max_num_seqs} --max-num-batched-tokens {normal.max_num_batched_tokens}, "
@@ -125,10 +136,11 @@ def add_tune_parsers(sub) -> None:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_diagnose)
 
-    from pagedserve.bench.cli import add_ladder_args
+    from pagedserve.bench.cli import add_ladder_args, add_simulate_args
 
     t = sub.add_parser("tune", help="One command: plan the memory, start the server, run the concurrency ladder, "
                                     "and write normal/protect profiles, a runbook and alert rules.")
     add_engine_args(t)
     add_ladder_args(t, client=False)
+    add_simulate_args(t)
     t.set_defaults(func=cmd_tune)

@@ -1,0 +1,175 @@
+"""The simulator: the cost model's fit, the virtual clock on a hand-checkable case, a long run that keeps
+the engine's limits and leaks nothing, a simulated ladder and tune end to end, and calibrate on CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pagedserve.bench.datasets import SampleRequest
+from pagedserve.cli import main
+from pagedserve.config import EngineArgs
+from pagedserve.errors import ConfigError
+from pagedserve.sim import calibrate as calibrate_mod
+from pagedserve.sim.calibrate import calibrate, synthetic_step
+from pagedserve.sim.cost import Calibration, CostModel, load_calibration, shipped, step_features, step_kind
+from pagedserve.sim.load import simulate_load
+from pagedserve.tune.plan import make_plan
+
+# every step 10 ms whatever it holds
+FLAT = CostModel(breakpoint=1, per_token=0, per_context=0, per_prefill_work=0, fixed=0.01, eager_floor=0.0,
+                 mixed_floor=0.0)
+
+
+def engine(**kw):
+    args = EngineArgs(model="tiny", **kw)
+    return args.create_config(plan_for="cuda"), make_plan(args, gpu_memory_gib=80).budget
+
+
+def test_one_request_on_a_flat_cost_is_hand_checkable():
+    # 16-token prompt, 3 tokens out, 10 ms a step: the prompt step ends at 10 ms with the first token, each
+    # decode step 10 ms later; the one step in flight never delays the device
+    config, budget = engine()
+    r = simulate_load(config, budget, FLAT, [SampleRequest(list(range(16)), 16, 3)])
+    assert r["completed"] == 1 and r["total_output_tokens"] == 3 and r["simulated_steps"] == 3
+    assert r["mean_ttft_ms"] == pytest.approx(10.0)
+    assert r["mean_itl_ms"] == pytest.approx(10.0) and r["p95_itl_ms"] == pytest.approx(10.0)
+    assert r["mean_e2el_ms"] == pytest.approx(30.0) and r["duration"] == pytest.approx(0.03)
+    assert r["output_throughput"] == pytest.approx(100.0)
+
+
+class Recording:
+    """A cost that records every step's tokens (to check the limits) and charges by tokens."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+
+    def seconds(self, tokens, decode_context, prefill_work, kind):
+        self.tokens.append(tokens)
+        return 1e-3 + 1e-6 * tokens
+
+
+def test_ten_thousand_requests_keep_the_limits_finish_and_leak_nothing():
+    # a cache of 160 blocks (2,560 tokens) for 48 running requests of up to 100 tokens: preemption is certain
+    config, budget = engine(max_num_seqs=48, max_num_batched_tokens=256, num_gpu_blocks_override=160,
+                            max_model_len=512)
+    rng = np.random.default_rng(0)
+    samples = [SampleRequest(rng.integers(0, 1000, n).tolist(), int(n), int(o))
+               for n, o in zip(rng.integers(8, 80, 10_000), rng.integers(1, 24, 10_000))]
+    cost = Recording()
+    r = simulate_load(config, budget, cost, samples, max_concurrency=64)  # leaked blocks would raise
+    assert r["completed"] == 10_000 and r["failed"] == 0
+    assert r["total_output_tokens"] == sum(s.expected_output_len for s in samples)
+    assert r["server_preemptions"] > 0
+    assert r["server_peak_num_requests_running"] <= 48
+    assert max(cost.tokens) <= 256 and len(cost.tokens) == r["simulated_steps"]
+
+
+def test_open_loop_arrivals_follow_the_rate():
+    config, budget = engine()
+    samples = [SampleRequest(list(range(32)), 32, 4)] * 200
+    r = simulate_load(config, budget, FLAT, samples, request_rate=20.0, seed=1)
+    # 200 arrivals at 20/s take about 10 s; the engine keeps up, so the run ends shortly after the last
+    assert 8.0 < r["duration"] < 12.0 and r["completed"] == 200 and r["request_rate"] == 20.0
+
+
+def test_the_fit_recovers_a_known_model_and_reads_back():
+    truth = CostModel(breakpoint=128, per_token=2e-5, per_context=3e-8, per_prefill_work=1.5e-12, fixed=3e-3,
+                      eager_floor=0.012, mixed_floor=0.02)
+    samples = []
+    for kind, t, k, q in [("graph", b, b * c, 0) for b in (1, 4, 16, 64, 256) for c in (128, 1024, 8192)] + \
+                         [("eager", t, 0, t * (t + o)) for t in (16, 256, 1024, 4096, 8192) for o in (0, 4096)] + \
+                         [("mixed", t + b, b * 1024, t * t) for b in (4, 64) for t in (256, 2048, 8192)]:
+        samples.append({"tokens": t, "decode_context": k, "prefill_work": q, "kind": kind,
+                        "seconds": truth.seconds(t, k, q, kind)})
+    cost, err = CostModel.fit(samples)
+    assert err < 0.01
+    for s in samples:
+        assert cost.seconds(s["tokens"], s["decode_context"], s["prefill_work"], s["kind"]) == \
+            pytest.approx(s["seconds"], rel=0.03)
+    with pytest.raises(ConfigError, match="at least five"):
+        CostModel.fit(samples[:3])
+
+
+def test_shipped_calibrations_load_and_describe_themselves():
+    names = shipped()
+    assert {"h200-qwen3-8b-bf16", "h200-qwen3-8b-fp8", "h200-qwen3-0.6b-bf16", "h200-qwen3-0.6b-fp8"} <= set(names)
+    cal = load_calibration("h200-qwen3-8b-bf16")
+    assert cal.model == "Qwen/Qwen3-8B" and cal.gpu == "NVIDIA H200" and cal.mape < 0.1
+    assert "an eager step takes at least" in cal.describe() and cal.commit
+    with pytest.raises(ConfigError, match="neither a calibration file nor one of the shipped ones"):
+        load_calibration("h100-nothing")
+
+
+def test_synthetic_steps_put_each_token_in_its_own_block_slot():
+    rng = np.random.default_rng(0)
+    inp = synthetic_step([(1, 40), (1, 17), (24, 24)], block_size=16, num_blocks=10, vocab=100, rng=rng)
+    assert inp.query_lens.tolist() == [1, 1, 24] and inp.seq_lens.tolist() == [40, 17, 24]
+    assert inp.positions.tolist() == [39, 16] + list(range(24))
+    tables = inp.tables
+    for pos, slot, row in zip(inp.positions, inp.slots, [0, 1] + [2] * 24):
+        assert slot == tables[row, pos // 16] * 16 + pos % 16
+    assert inp.sample_rows.tolist() == [0, 1, 25]
+    assert step_features(inp) == (26, 57, 24 * 24) and step_kind(inp, 256) == "mixed"
+
+
+def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):
+    monkeypatch.setattr(calibrate_mod, "_WARMUPS", 0)
+    monkeypatch.setattr(calibrate_mod, "_REPEATS", 1)
+    cal = calibrate(EngineArgs(model="tiny", kv_cache_memory="64MiB", max_model_len=1024, max_num_seqs=16,
+                               max_num_batched_tokens=512), log=lambda _: None)
+    assert cal.gpu == "cpu" and cal.model == "tiny" and len(cal.samples) >= 10
+    assert all(s["kind"] != "graph" for s in cal.samples)  # no graphs on CPU
+    assert all(s["seconds"] > 0 for s in cal.samples) and math.isfinite(cal.mape)
+
+
+def tiny_calibration(tmp_path) -> str:
+    cost = CostModel(breakpoint=64, per_token=2e-5, per_context=4e-8, per_prefill_work=1e-11, fixed=1e-3,
+                     eager_floor=4e-3, mixed_floor=5e-3)
+    path = tmp_path / "cal.json"
+    Calibration(model="tiny", dtype="bfloat16", kv_cache_dtype="bfloat16", gpu="test GPU", gpu_memory_bytes=16 * 2**30,
+                engine_args={}, cost=cost, mape=0.0, date="2026-12-04").save(path)
+    return str(path)
+
+
+def test_a_simulated_sweep_writes_every_artefact_and_says_it_is_simulated(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    main(["bench", "sweep", "--model", "tiny", "--serve-args", "--max-num-seqs 8 --max-num-batched-tokens 512",
+          "--grid", "max_num_seqs=4,8", "--simulate", tiny_calibration(tmp_path), "--random-input-len", "128",
+          "--random-output-len", "32", "--concurrency", "1,2,4,8,16", "--result-dir", str(out)])
+    for name in ("sweep.json", "sweep.csv", "summary.md", "report.html", "throughput.png", "latency.png", "memory.png"):
+        assert (out / name).is_file(), name
+    doc = json.loads((out / "sweep.json").read_text())
+    assert "test GPU" in doc["target"]["simulated"] and len(doc["ladders"]) == 2
+    for ladder, cap in zip(doc["ladders"], (4, 8)):
+        assert ladder["simulated"] and all(r["completed"] == r["num_prompts"] for r in ladder["rungs"])
+        assert max(r["server_peak_num_requests_running"] for r in ladder["rungs"]) == cap
+    assert doc["recommendation"] is not None
+    assert "simulated" in (out / "summary.md").read_text()
+
+
+def test_tune_on_the_simulator_writes_profiles_and_a_runbook_that_says_so(tmp_path):
+    out = tmp_path / "tune"
+    main(["tune", "tiny", "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--simulate",
+          tiny_calibration(tmp_path), "--random-input-len", "128", "--random-output-len", "32",
+          "--concurrency", "1,2,4,8,16", "--result-dir", str(out)])
+    assert (out / "profiles.yaml").is_file() and (out / "alerts.yaml").is_file()
+    book = (out / "RUNBOOK.md").read_text()
+    assert "**simulated**" in book and "test GPU (simulated)" in book
+
+
+def test_a_calibration_of_another_model_or_kv_dtype_is_refused(tmp_path, capsys):
+    cal = tiny_calibration(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["bench", "sweep", "--model", "tiny", "--serve-args", "--kv-cache-dtype fp8", "--simulate", cal,
+              "--result-dir", str(tmp_path / "x")])
+    assert "pagedserve calibrate tiny --load-format dummy --kv-cache-dtype fp8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "sweep", "--model", "tiny", "--simulate", "h200-qwen3-8b-bf16", "--result-dir", str(tmp_path / "y")])
+    assert "measured with Qwen/Qwen3-8B" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "sweep", "--base-url", "http://127.0.0.1:9", "--simulate", cal])
+    assert "--simulate" in capsys.readouterr().err
