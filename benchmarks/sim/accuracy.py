@@ -35,7 +35,7 @@ def compare(measured: dict, simulated: dict) -> tuple[list[str], dict[str, list[
                       f"{km['recommended_load']}, simulated {ks['recommended_load']}.", ""]
     rm, rs = measured.get("recommendation"), simulated.get("recommendation")
     if rm and rs:
-        lines += [f"Grid recommendation: measured {rm['label']} at {rm['concurrency']}, simulated {rs['label']} at "
+        lines += [f"Recommendation: measured {rm['label']} at {rm['concurrency']}, simulated {rs['label']} at "
                   f"{rs['concurrency']}.", ""]
     return lines, errors
 

@@ -2,7 +2,8 @@
 
     device seconds = e + b * max(T*, T) + c * K + d * Q
     step seconds   = device seconds for a CUDA-graph replay, max(H, device seconds) for an eager step,
-                     max(M, device seconds) for an eager step that mixes decodes and prompt chunks
+                     max(M, device seconds) for an eager step that mixes decodes and prompt chunks,
+                     S + c * K for one sequence's decode
 
 T: tokens in the step (prompt and decode). The projections read every weight once whatever T is, and
 compute 2 x params FLOPs a token: below T* tokens reading the weights is the cost, above it computing is
@@ -10,9 +11,9 @@ compute 2 x params FLOPs a token: below T* tokens reading the weights is the cos
 Q: for prompt chunks, query tokens x positions attended (prefill attention grows with both). e: what
 every step pays (sampling, the copy of the tokens back). H: an eager step (any prompt tokens, or a decode
 batch without a graph) cannot end before the host has launched its kernels one by one; M: the same for a
-mixed step, which launches both attention paths in every layer. Fitted by least squares on relative error
-over a scan of T*, H and M; each coefficient keeps a physical meaning, so a calibration can be read and
-checked.
+mixed step, which launches both attention paths in every layer. S: one sequence decodes on the one-row
+GEMV path, its own weights' read. Fitted by least squares on relative error over a scan of T*, H and M;
+each coefficient keeps a physical meaning, so a calibration can be read and checked.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ def largest_graph(config) -> int:
 
 
 def step_kind(inp: StepInputs, graph_cap: int) -> str:
-    """"graph" (a captured decode graph replayed), "mixed" (decodes and prompt chunks, launched kernel by
-    kernel) or "eager" (launched kernel by kernel)."""
+    """"single" (one sequence's decode graph), "graph" (a larger decode graph), "mixed" (decodes and
+    prompt chunks, launched kernel by kernel) or "eager" (launched kernel by kernel)."""
     if inp.decode_only and len(inp.query_lens) <= graph_cap:
-        return "graph"
+        return "single" if len(inp.query_lens) == 1 else "graph"
     decode = inp.query_lens == 1
     return "mixed" if decode.any() and not decode.all() else "eager"
 
@@ -63,12 +64,15 @@ class CostModel:
     fixed: float             # e: seconds every step's device work pays
     eager_floor: float       # H: seconds an eager step takes at least (the host launching its kernels)
     mixed_floor: float       # M: the same for a step that mixes decodes and prompt chunks
+    single: float            # S: seconds of one sequence's decode step before its context
 
     def device_seconds(self, tokens: int, decode_context: int, prefill_work: int) -> float:
         return (self.fixed + self.per_token * max(self.breakpoint, tokens) + self.per_context * decode_context
                 + self.per_prefill_work * prefill_work)
 
     def seconds(self, tokens: int, decode_context: int, prefill_work: int, kind: str) -> float:
+        if kind == "single":
+            return self.single + self.per_context * decode_context
         device = self.device_seconds(tokens, decode_context, prefill_work)
         return device if kind == "graph" else max(self.mixed_floor if kind == "mixed" else self.eager_floor, device)
 
@@ -77,13 +81,14 @@ class CostModel:
         """Least squares on relative error over a scan of the breakpoint and the two floors; returns the
         model and its mean absolute percentage error on ``samples`` ({"tokens", "decode_context",
         "prefill_work", "kind", "seconds"}). For each pair of floors, the device terms are fitted to the
-        steps they do not hold up (graph replays, and eager steps measured above their floor)."""
+        steps they do not hold up (graph replays, and eager steps measured above their floor); S is then the
+        median of the single decodes' time less their context's."""
         if len(samples) < 5:
             raise ConfigError("A cost model needs at least five measured steps.")
         x = np.array([[s[f] for f in FEATURES] for s in samples], dtype=float)
         y = np.array([s["seconds"] for s in samples], dtype=float)
         kind = np.array([s["kind"] for s in samples])
-        eager, mixed = kind == "eager", kind == "mixed"
+        eager, mixed, single = kind == "eager", kind == "mixed", kind == "single"
 
         def candidates(mask: np.ndarray) -> np.ndarray:  # 0, or a time measured in the lower half of the kind
             return np.concatenate([[0.0], np.unique(y[mask & (y <= np.median(y[mask]))])]) if mask.any() else np.zeros(1)
@@ -94,15 +99,17 @@ class CostModel:
         for h in candidates(eager):
             for m in candidates(mixed):
                 floor = np.where(eager, h, np.where(mixed, m, 0.0))
-                free = y > floor
+                free = (y > floor) & ~single
                 for bp, a in zip(bps, a_all):
                     coef = _nonnegative_lstsq(a[free] / y[free, None], np.ones(int(free.sum())))
                     pred = np.maximum(floor, a @ coef)
+                    one = float(np.median(y[single] - coef[1] * x[single, 1])) if single.any() else 0.0
+                    pred[single] = one + coef[1] * x[single, 1]
                     err = float(np.mean(np.abs(pred - y) / y))
                     if best is None or err < best[0]:
-                        best = (err, h, m, bp, coef)
-        err, h, m, bp, (b, c, d, e) = best
-        return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m)), err
+                        best = (err, h, m, one, bp, coef)
+        err, h, m, one, bp, (b, c, d, e) = best
+        return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m), one), err
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -151,8 +158,8 @@ class Calibration:
                 f"{f' at {self.commit}' if self.commit else ''}: a step's device time is {1e3 * c.fixed:.3f} ms + "
                 f"{1e6 * c.per_token:.2f} us x max({c.breakpoint:.0f}, tokens) + {1e9 * c.per_context:.2f} ns a "
                 f"context token decoded + {1e12 * c.per_prefill_work:.3f} ps a prompt token x position; an eager "
-                f"step takes at least {1e3 * c.eager_floor:.2f} ms, a mixed one {1e3 * c.mixed_floor:.2f} ms (fit "
-                f"error {100 * self.mape:.1f} %)")
+                f"step takes at least {1e3 * c.eager_floor:.2f} ms, a mixed one {1e3 * c.mixed_floor:.2f} ms; one "
+                f"sequence's decode {1e3 * c.single:.3f} ms + its context (fit error {100 * self.mape:.1f} %)")
 
 
 def shipped() -> dict[str, Path]:
