@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -38,6 +41,30 @@ def running_server(*flags: str, model: str = "tiny"):
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+
+
+@contextmanager
+def serve_process(*flags: str, model: str = "tiny"):
+    """Yield (process, base_url) of `pagedserve serve` as its own process, up on /health (for signals and
+    exit statuses); killed afterwards if still running."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", model, "--port", str(port), *flags],
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_until(up, timeout=90), proc.stdout.read1().decode() if proc.poll() is not None else "no start"
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def wait_until(predicate, timeout: float = 20.0) -> bool:

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.server.async_engine import MAX_FAILED_STEPS
-from tests.serving import free_port, metric_values, running_server, wait_until
+from tests.serving import metric_values, running_server, serve_process, wait_until
 
 ENGINE = ("--kv-cache-memory", "16MiB", "--max-model-len", "1024")
 
@@ -257,20 +254,7 @@ def test_a_dead_engine_fails_everything_and_stops_the_server_with_status_1():
 
 
 def test_the_shutdown_deadline_ends_streams_with_an_error_frame_and_exit_status_1():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "tiny", "--port", str(port),
-                             *ENGINE, "--shutdown-timeout", "2"], env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(up, timeout=90)
-        lines = []
+    with serve_process(*ENGINE, "--shutdown-timeout", "2") as (proc, url):
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", f"{url}{CMPL}", json={"prompt": "Hello", "max_tokens": 1000, "stream": True,
                                                             "ignore_eos": True}) as resp:
@@ -282,9 +266,6 @@ def test_the_shutdown_deadline_ends_streams_with_an_error_frame_and_exit_status_
         err = json.loads(lines[-2][6:])["error"]
         assert err["code"] == 503 and "--shutdown-timeout" in err["message"]
         assert proc.wait(timeout=60) == 1
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_a_bounded_soak_with_disconnects_and_aborts_leaves_nothing_behind(server):

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from tests.serving import free_port, metric_values, running_server, wait_until
+from tests.serving import metric_values, running_server, serve_process, wait_until
 
 ENGINE_FLAGS = ("--kv-cache-memory", "16MiB", "--max-model-len", "1024")
 
@@ -240,20 +236,7 @@ def test_queue_limit_gives_503_with_retry_after():
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero():
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "tiny", "--port", str(port),
-                             *ENGINE_FLAGS, "--shutdown-timeout", "30"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(up, timeout=90), proc.stdout.read1().decode() if proc.poll() is not None else "no start"
+    with serve_process(*ENGINE_FLAGS, "--shutdown-timeout", "30") as (proc, url):
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", f"{url}/v1/completions",
                              json={"prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True,
@@ -268,10 +251,6 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero():
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        time.sleep(0)
 
 
 def test_seed_documents_serve_command_parses_and_resolves():
