@@ -176,3 +176,16 @@ def test_a_calibration_of_another_model_or_kv_dtype_is_refused(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(["bench", "sweep", "--base-url", "http://127.0.0.1:9", "--simulate", cal])
     assert "--simulate" in capsys.readouterr().err
+
+
+def test_a_preset_or_a_size_gives_the_simulated_gpu_its_memory():
+    from pagedserve.sim.ladder import Simulation
+    from pagedserve.tune.plan import GPU_PRESETS
+
+    flags = ["--load-format", "dummy", "--max-model-len", "8192"]
+    h200 = Simulation.load("h200-qwen3-8b-bf16")
+    h100 = Simulation.load("h200-qwen3-8b-bf16", gpu="H100-80GB")
+    assert h100.gpu_memory_bytes == GPU_PRESETS["H100-80GB"] and "GPU memory 79.65 GiB" in h100.describe()
+    assert h100.engine("Qwen/Qwen3-8B", flags)[1].num_blocks < h200.engine("Qwen/Qwen3-8B", flags)[1].num_blocks
+    with pytest.raises(ConfigError, match="would not start"):
+        Simulation.load("h200-qwen3-8b-bf16", gpu_memory_gib=16).engine("Qwen/Qwen3-8B", flags)

@@ -99,8 +99,8 @@ def cmd_bench_sweep(ns: argparse.Namespace) -> None:
     if not external and ns.model is None:
         raise ConfigError("Give --base-url (or --host/--port) of a running server, or --model to start one"
                           + (" (--simulate needs --model too)." if ns.simulate else "."))
-    if ns.gpu_memory is not None and not ns.simulate:
-        raise ConfigError("--gpu-memory sizes a simulated GPU: give it with --simulate.")
+    if (ns.gpu_memory is not None or ns.gpu is not None) and not ns.simulate:
+        raise ConfigError("--gpu and --gpu-memory size a simulated GPU: give them with --simulate.")
     flags = serve_flags(ns.serve_args)
     if external:
         base = (ns.base_url or f"http://{ns.host or '127.0.0.1'}:{ns.port or 8000}").rstrip("/")
@@ -114,7 +114,7 @@ def cmd_bench_sweep(ns: argparse.Namespace) -> None:
     if ns.simulate:
         from pagedserve.sim.ladder import Simulation
 
-        simulate = Simulation.load(ns.simulate, ns.gpu_memory)
+        simulate = Simulation.load(ns.simulate, ns.gpu_memory, ns.gpu)
         for _, _, server_flags in runs:  # every engine of the grid starts on the simulated GPU
             simulate.engine(ns.model, server_flags)
     run_sweep(ns, plan, result_dir(ns.result_dir), serve_flags=flags, runs=runs, grid=grid, simulate=simulate)
@@ -216,13 +216,16 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     from pagedserve.sim.cost import shipped
+    from pagedserve.tune.plan import GPU_PRESETS
 
     g = p.add_argument_group("simulation (no GPU)")
     g.add_argument("--simulate", default=None, metavar="CALIBRATION",
                    help="Run the ladder on the engine's own scheduler with steps priced by a calibration (a file "
                         "from `pagedserve calibrate`, or a shipped one: " + ", ".join(sorted(shipped())) + ").")
+    g.add_argument("--gpu", choices=list(GPU_PRESETS), default=None,
+                   help="Give the simulated GPU this preset's memory (its speed stays the calibration's).")
     g.add_argument("--gpu-memory", type=float, default=None,
-                   help="GiB of the simulated GPU (default: the calibration GPU's).")
+                   help="GiB of the simulated GPU (overrides --gpu; default: the calibration GPU's).")
 
 
 def add_bench_parser(sub) -> None:

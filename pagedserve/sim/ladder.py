@@ -23,9 +23,12 @@ class Simulation:
     source: str            # the file or shipped name it came from
 
     @classmethod
-    def load(cls, name_or_path: str, gpu_memory_gib: float | None = None) -> "Simulation":
+    def load(cls, name_or_path: str, gpu_memory_gib: float | None = None, gpu: str | None = None) -> "Simulation":
+        """A calibration, on a GPU of ``gpu_memory_gib`` GiB, else of preset ``gpu``'s memory, else its own."""
+        from pagedserve.tune.plan import GPU_PRESETS
+
         cal = load_calibration(name_or_path)
-        total = int(gpu_memory_gib * GiB) if gpu_memory_gib else cal.gpu_memory_bytes
+        total = int(gpu_memory_gib * GiB) if gpu_memory_gib else GPU_PRESETS[gpu] if gpu else cal.gpu_memory_bytes
         if total <= 0:
             raise ConfigError(f"--simulate {name_or_path}: the calibration records no GPU memory (it was measured on "
                               f"{cal.gpu}); give --gpu-memory GiB.")

@@ -78,11 +78,11 @@ def cmd_tune(ns: argparse.Namespace) -> None:
     if ns.simulate:
         from pagedserve.sim.ladder import Simulation
 
-        simulate = Simulation.load(ns.simulate, ns.gpu_memory)
+        simulate = Simulation.load(ns.simulate, ns.gpu_memory, ns.gpu)
         simulate.engine(args.model, flags)
         gpu = (simulate.gpu_memory_bytes, f"{simulate.calibration.gpu} (simulated)")
-    elif ns.gpu_memory is not None:
-        raise ConfigError("--gpu-memory sizes a simulated GPU: give it with --simulate.")
+    elif ns.gpu_memory is not None or ns.gpu is not None:
+        raise ConfigError("--gpu and --gpu-memory size a simulated GPU: give them with --simulate.")
     else:
         gpu = gpu_facts() if args.device != "cpu" else None
     config = args.create_config(plan_for="cuda" if gpu else None)  # as the server will resolve it
