@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
@@ -24,6 +25,7 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await state.start(rid, body.prompts(), params)
     offsets = [0] * len(streams)  # where each choice's next text starts (logprobs' text_offset)
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
     def choice(i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
@@ -32,23 +34,8 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
                 "finish_reason": c.finish_reason if out.finished else None,
                 "stop_reason": c.stop_reason if out.finished else None}
 
-    if body.stream:
-        async def events():
-            head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-            usage = _Usage(params.n)
-            async for i, out in merged(streams):
-                usage.add(i, out)
-                yield {**head, "choices": [choice(i, out)]}
-            if body.include_usage:
-                yield {**head, "choices": [], "usage": usage.json()}
-
-        return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
-
-    finals = await final_outputs(raw, streams)
-    if finals is None:
-        return Response(status_code=499)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice(i, out) for i, out in enumerate(finals)], "usage": _Usage.of(finals, params.n)}
+    return await _respond(body, raw, streams, params.n, head, choice, lambda finals: {
+        **head, "choices": [choice(i, out) for i, out in enumerate(finals)], "usage": _Usage.of(finals, params.n)})
 
 
 @router.post("/v1/chat/completions")
@@ -66,33 +53,45 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
     def logprobs(c):
         return _chat_logprobs(c, params.logprobs) if want_lp else None
 
+    def delta(j: int, out: RequestOutput) -> dict:
+        c = out.outputs[0]
+        return {"index": j, "delta": {"content": c.text}, "logprobs": logprobs(c),
+                "finish_reason": c.finish_reason if out.finished else None,
+                "stop_reason": c.stop_reason if out.finished else None}
+
+    def final(finals: list[RequestOutput]) -> dict:
+        choices = [{"index": j, "message": {"role": "assistant", "content": out.outputs[0].text},
+                    "logprobs": logprobs(out.outputs[0]), "finish_reason": out.outputs[0].finish_reason,
+                    "stop_reason": out.outputs[0].stop_reason} for j, out in enumerate(finals)]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": _Usage.of(finals, params.n)}
+
+    roles = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for j in range(len(streams))]
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    return await _respond(body, raw, streams, params.n, head, delta, final, first=roles)
+
+
+async def _respond(body, raw: Request, streams: list, n: int, head: dict,
+                   chunk: Callable[[int, RequestOutput], dict], final: Callable[[list[RequestOutput]], dict],
+                   first: list[dict] = ()):
+    """Stream the outputs as SSE (``first`` choices, then ``chunk(index, output)`` for each output as it
+    comes, then the usage if asked), or wait for them all and answer ``final(outputs)``; 499 when the client
+    left before the end."""
     if body.stream:
         async def events():
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-            for j in range(len(streams)):
-                yield {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]}
-            usage = _Usage(params.n)
-            async for j, out in merged(streams):
-                c = out.outputs[0]
-                usage.add(j, out)
-                yield {**head, "choices": [{
-                    "index": j, "delta": {"content": c.text}, "logprobs": logprobs(c),
-                    "finish_reason": c.finish_reason if out.finished else None,
-                    "stop_reason": c.stop_reason if out.finished else None}]}
+            for c in first:
+                yield {**head, "choices": [c]}
+            usage = _Usage(n)
+            async for i, out in merged(streams):
+                usage.add(i, out)
+                yield {**head, "choices": [chunk(i, out)]}
             if body.include_usage:
                 yield {**head, "choices": [], "usage": usage.json()}
 
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
-
     finals = await final_outputs(raw, streams)
-    if finals is None:
-        return Response(status_code=499)
-    choices = [{"index": j, "message": {"role": "assistant", "content": out.outputs[0].text},
-                "logprobs": logprobs(out.outputs[0]), "finish_reason": out.outputs[0].finish_reason,
-                "stop_reason": out.outputs[0].stop_reason} for j, out in enumerate(finals)]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": _Usage.of(finals, params.n)}
+    return Response(status_code=499) if finals is None else final(finals)
 
 
 @router.get("/v1/models")
