@@ -26,6 +26,11 @@ def fmt_bytes(n: int | float) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.2f} MiB"
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``, as the flags and reports spell dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

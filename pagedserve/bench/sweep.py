@@ -127,18 +127,23 @@ async def _reset_prefix_cache(target: Target) -> str:
         return f"{type(e).__name__}"
 
 
+def rung_seeds(seed: int, index: int) -> tuple[int, int]:
+    """(arrivals, prompts) seeds of rung ``index``: each rung draws its own prompts (repeat r adds r)."""
+    return seed + index, seed + 1000 * (index + 1)
+
+
 async def run_rung(target: Target, plan: SweepPlan, index: int, load: float,
                    samples_for: Callable[[int, int], list[SampleRequest]]) -> dict:
     """Measure one load level (``samples_for(n, seed)`` draws the rung's prompts)."""
     closed = plan.mode == "concurrency"
+    arrivals, seed = rung_seeds(target.seed, index)
 
     def config(show: bool) -> BenchConfig:
         return BenchConfig(base_url=target.base_url, endpoint=target.endpoint, model=target.model,
                            request_rate=math.inf if closed else load, burstiness=target.burstiness,
                            max_concurrency=int(load) if closed else None, ignore_eos=target.ignore_eos,
-                           seed=target.seed + index, num_warmups=0, api_key=target.api_key, show_progress=show)
+                           seed=arrivals, num_warmups=0, api_key=target.api_key, show_progress=show)
 
-    seed = target.seed + 1000 * (index + 1)
     prefix = await _reset_prefix_cache(target) if plan.reset_prefix_cache else "off"
     if plan.warmup:
         warm = await run_benchmark(config(False), samples_for(plan.warmup_prompts(load), seed + 999), [], [], {})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pagedserve.memory import dtype_name
 from pagedserve.outputs import RequestOutput
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -132,7 +133,7 @@ class _EngineCollector:
         budget = core.worker.budget
         info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
                                  labels=["block_size", "num_gpu_blocks", "cache_dtype", "gpu_memory_utilization"])
-        info.add_metric([str(budget.block_size), str(budget.num_blocks), str(core.config.kv_dtype).replace("torch.", ""),
+        info.add_metric([str(budget.block_size), str(budget.num_blocks), dtype_name(core.config.kv_dtype),
                          str(core.config.args.gpu_memory_utilization)], 1)
         yield info
 

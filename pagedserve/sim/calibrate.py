@@ -21,6 +21,7 @@ import torch
 
 import pagedserve
 from pagedserve.config import EngineConfig
+from pagedserve.memory import dtype_name
 from pagedserve.errors import ConfigError
 from pagedserve.model.step import SamplingInputs, StepInputs
 from pagedserve.sim.cost import Calibration, CostModel, largest_graph, step_kind, step_features
@@ -122,8 +123,8 @@ def calibrate(args, log=print) -> Calibration:
             gpu, total = "cpu", 0
     finally:
         worker.shutdown()
-    return Calibration(model=args.model, dtype=str(config.dtype).removeprefix("torch."),
-                       kv_cache_dtype=str(config.kv_dtype).removeprefix("torch."), gpu=gpu, gpu_memory_bytes=total,
+    return Calibration(model=args.model, dtype=dtype_name(config.dtype),
+                       kv_cache_dtype=dtype_name(config.kv_dtype), gpu=gpu, gpu_memory_bytes=total,
                        engine_args={k: v for k, v in vars(args).items() if v is not None}, cost=cost, mape=err,
                        samples=samples, date=datetime.date.today().isoformat(), commit=git_commit(),
                        pagedserve_version=pagedserve.__version__)
@@ -138,5 +139,5 @@ def cmd_calibrate(ns: argparse.Namespace) -> None:
     cal = calibrate(args)
     cal.save(ns.output)
     print(cal.describe())
-    print(f"Wrote {ns.output}; use it with `pagedserve bench sweep {args.model} --simulate {ns.output}` or "
+    print(f"Wrote {ns.output}; use it with `pagedserve bench sweep --model {args.model} --simulate {ns.output}` or "
           f"`pagedserve tune {args.model} --simulate {ns.output}`.")

@@ -11,7 +11,7 @@ import numpy as np
 
 from pagedserve.bench.datasets import SampleRequest
 from pagedserve.errors import ConfigError
-from pagedserve.memory import GiB
+from pagedserve.memory import GiB, dtype_name
 from pagedserve.sim.cost import Calibration, load_calibration
 from pagedserve.sim.load import simulate_load
 
@@ -50,7 +50,7 @@ class Simulation:
             raise ConfigError("--tensor-parallel-size: the simulator models one GPU.")
         config = args.create_config(plan_for="cuda")
         cal = self.calibration
-        kv = str(config.kv_dtype).removeprefix("torch.")
+        kv = dtype_name(config.kv_dtype)
         if args.model != cal.model or kv != cal.kv_cache_dtype:
             raise ConfigError(f"--simulate {self.source} was measured with {cal.model} and a {cal.kv_cache_dtype} KV "
                               f"cache; this ladder runs {model} with a {kv} KV cache. Use a calibration of that "
@@ -65,21 +65,22 @@ class Simulation:
                seed: int, burstiness: float, goodput: dict[str, float]) -> Callable[[int, float], dict]:
         """``measure(index, load)`` for ``bench.sweep.run_ladder``: the rung's prompts (as ``run_rung``
         draws them) through a fresh simulated engine, closed loop at C or open loop at a rate."""
-        from pagedserve.bench.sweep import aggregate
+        from pagedserve.bench.sweep import aggregate, rung_seeds
 
         config, budget = self.engine(model, flags)
         vocab = config.model.vocab_size
 
         def measure(index: int, load: float) -> dict:
             closed = plan.mode == "concurrency"
+            arrivals, prompts = rung_seeds(seed, index)
             runs = []
             for rep in range(plan.repeats):
-                rung_seed = seed + 1000 * (index + 1) + rep
-                samples = [as_token_ids(s, vocab, rung_seed + k) for k, s in enumerate(draw(plan.prompts(load), rung_seed))]
+                samples = [as_token_ids(s, vocab, prompts + rep + k)
+                           for k, s in enumerate(draw(plan.prompts(load), prompts + rep))]
                 runs.append(simulate_load(config, budget, self.calibration.cost, samples,
                                           max_concurrency=int(load) if closed else None,
                                           request_rate=math.inf if closed else load, burstiness=burstiness,
-                                          seed=seed + index, goodput=goodput))
+                                          seed=arrivals, goodput=goodput))
             rung = aggregate(runs)
             rung.update(load=load, prefix_cache="simulated", simulated=True)
             return rung

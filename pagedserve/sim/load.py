@@ -15,14 +15,13 @@ from collections import deque
 from pagedserve.bench.datasets import SampleRequest
 from pagedserve.bench.metrics import METRIC_KEYS, RequestResult, calculate_metrics
 from pagedserve.bench.serve import arrival_delays
+from pagedserve.bench.sweep import PERCENTILES
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.request import Request
 from pagedserve.memory import MemoryBudget
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sim.cost import CostModel
 from pagedserve.sim.executor import SimulatedWorker
-
-PERCENTILES = [50.0, 95.0, 99.0]
 
 
 def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[SampleRequest], *,
@@ -78,7 +77,7 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
         r.ttft, r.latency = ts[0] - r.start_time, ts[-1] - r.start_time
         r.itl = [b - a for a, b in zip(ts, ts[1:])]
     peaks = core.peaks
-    out = {
+    return {
         "num_prompts": n,
         "request_rate": "inf" if math.isinf(request_rate) else request_rate,
         "burstiness": burstiness,
@@ -97,4 +96,3 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
         "max_input_len": max(s.prompt_len for s in samples),
         "simulated_steps": core.counters.num_steps,
     }
-    return out

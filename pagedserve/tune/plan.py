@@ -12,7 +12,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from pagedserve.config import EngineArgs, EngineConfig
-from pagedserve.memory import GiB, MemoryBudget, activation_peak_estimate, compute_budget, fmt_bytes, weight_bytes
+from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, compute_budget, dtype_name, fmt_bytes,
+                               weight_bytes)
 from pagedserve.model.runner import decode_graph_sizes
 
 MiB = 2**20
@@ -116,7 +117,7 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
         n = (input_len or 0) + (output_len or 0)
         lengths[f"{input_len or 0} in + {output_len or 0} out"] = n
     concurrency = {k: budget.max_concurrency(n) for k, n in lengths.items()}
-    plan = Plan(args.model, gpu, tp, str(cfg.dtype).replace("torch.", ""), str(cfg.kv_dtype).replace("torch.", ""),
+    plan = Plan(args.model, gpu, tp, dtype_name(cfg.dtype), dtype_name(cfg.kv_dtype),
                 cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, budget, graphs, concurrency,
                 m.tie_word_embeddings, failures=budget.failures())
     if plan.failures:
