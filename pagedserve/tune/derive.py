@@ -59,27 +59,30 @@ def derive(doc: dict, config, *, model: str) -> Derivation:
     wait_s = ttft_slo / 1000 if ttft_slo else rec["p95_e2el_ms"] / 1000
     wait_src = f"the TTFT SLO {ttft_slo:g} ms" if ttft_slo else f"p95 E2EL {rec['p95_e2el_ms']:,.0f} ms at {at(r)}"
 
+    def queue_for(profile: str, i: int, running: int) -> int:
+        """``running`` + the requests rung i completed a second x the wait a queued request may take."""
+        rate = rungs[i]["request_throughput"]
+        why[f"profiles.{profile}.max_num_queued_reqs"] = (f"{running} running + {rate:.2f} req/s at {at(i)} x "
+                                                         f"{wait_s:.2f} s ({wait_src})")
+        return running + math.ceil(rate * wait_s)
+
     seqs = min(int(rec["load"]), config.max_num_seqs)
     tokens = config.max_num_batched_tokens
-    queue = seqs + math.ceil(rec["request_throughput"] * wait_s)
+    queue = queue_for("normal", r, seqs)
     why["profiles.normal.max_num_seqs"] = f"the recommended rung, {at(r)} ({knee['recommendation_reason']})"
     why["profiles.normal.max_num_batched_tokens"] = "the token budget the ladder was measured with"
-    why["profiles.normal.max_num_queued_reqs"] = (f"{seqs} running + {rec['request_throughput']:.2f} req/s at {at(r)} "
-                                                  f"x {wait_s:.2f} s ({wait_src})")
     normal = Profile(max_num_seqs=seqs, max_num_batched_tokens=tokens, max_num_queued_reqs=queue)
 
     p = max(r - 1, 0)
     pseqs = min(int(rungs[p]["load"]), seqs)
     ptokens = max(pseqs, tokens // 2) if config.enable_chunked_prefill else tokens
     pinput = min(max(rung.get("max_input_len", 0) for rung in rungs), config.max_model_len - 1)
-    pqueue = pseqs + math.ceil(rungs[p]["request_throughput"] * wait_s)
+    pqueue = queue_for("protect", p, pseqs)
     why["profiles.protect.max_num_seqs"] = f"the rung below the recommended one, {at(p)}"
     why["profiles.protect.max_num_batched_tokens"] = (
         "half the normal budget: smaller prefill chunks, so decodes wait less behind long prompts"
         if config.enable_chunked_prefill else "unchanged: with chunked prefill off it must hold max_model_len")
     why["profiles.protect.max_input_tokens"] = "the longest prompt the ladder measured: longer ones are the burst"
-    why["profiles.protect.max_num_queued_reqs"] = (f"{pseqs} running + {rungs[p]['request_throughput']:.2f} req/s at "
-                                                   f"{at(p)} x {wait_s:.2f} s ({wait_src})")
     queued_tokens = None
     if ttft_slo:
         prefill_rate = rec["total_input_tokens"] / rec["duration"]
