@@ -35,6 +35,12 @@ SLO_STATS = {"mean": "mean", "p50": "p50", "median": "p50", "p95": "p95", "p99":
 LATENCY_METRICS = ("itl", "e2el")
 
 
+def tightest_slo(slo: dict[str, float], metric: str) -> float | None:
+    """The tightest limit (ms) ``slo`` gives ``metric`` over its statistics (``ttft_p95``, ``ttft_p99`` ...)."""
+    values = [v for k, v in slo.items() if k.startswith(metric + "_")]
+    return min(values) if values else None
+
+
 def parse_slo(items: list[str] | None) -> dict[str, float]:
     """``["ttft_p95=500", "itl_p95=50"]`` (milliseconds) -> {"ttft_p95": 500.0, "itl_p95": 50.0}."""
     slo = {}

@@ -25,7 +25,7 @@ import aiohttp
 
 import pagedserve
 from pagedserve.bench.datasets import SampleRequest
-from pagedserve.bench.knee import KneeSettings, find_knee, parse_slo
+from pagedserve.bench.knee import KneeSettings, find_knee, parse_slo, tightest_slo
 from pagedserve.bench.metrics import METRIC_KEYS
 from pagedserve.bench.serve import BenchConfig, run_benchmark
 from pagedserve.errors import BenchmarkError, ConfigError
@@ -247,12 +247,8 @@ def sweep_document(*, command: list[str], target: dict, model: str, plan: SweepP
 
 def goodput_of(slo: dict[str, float]) -> dict[str, float]:
     """Per-request goodput limits (seconds) from the SLO: the tightest limit given for TTFT, TPOT, E2EL."""
-    out: dict[str, float] = {}
-    for key, ms in slo.items():
-        metric = key.split("_")[0]
-        if metric in ("ttft", "tpot", "e2el"):
-            out[metric] = min(out.get(metric, float("inf")), ms / 1000.0)
-    return out
+    limits = {m: tightest_slo(slo, m) for m in ("ttft", "tpot", "e2el")}
+    return {m: ms / 1000.0 for m, ms in limits.items() if ms is not None}
 
 
 def dataset_settings(ns: argparse.Namespace) -> dict:

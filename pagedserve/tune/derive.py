@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedserve.bench.knee import tightest_slo
 from pagedserve.errors import ConfigError
 from pagedserve.tune.profiles import Profile, ProfilesFile, Recovery, Trigger, Triggers
 
@@ -37,11 +38,6 @@ class Derivation:
     knee: int | None = None
 
 
-def _slo_ms(slo: dict, metric: str) -> float | None:
-    values = [v for k, v in slo.items() if k.startswith(metric + "_")]
-    return min(values) if values else None
-
-
 def derive(doc: dict, config, *, model: str) -> Derivation:
     """``doc``: sweep.json of one concurrency ladder against a server of ``config``."""
     if doc["mode"] != "concurrency":
@@ -55,7 +51,7 @@ def derive(doc: dict, config, *, model: str) -> Derivation:
     at = lambda i: f"concurrency {rungs[i]['load']:g}"  # noqa: E731
     why: dict[str, str] = {}
 
-    ttft_slo, itl_slo = _slo_ms(slo, "ttft"), _slo_ms(slo, "itl")
+    ttft_slo, itl_slo = tightest_slo(slo, "ttft"), tightest_slo(slo, "itl")
     wait_s = ttft_slo / 1000 if ttft_slo else rec["p95_e2el_ms"] / 1000
     wait_src = f"the TTFT SLO {ttft_slo:g} ms" if ttft_slo else f"p95 E2EL {rec['p95_e2el_ms']:,.0f} ms at {at(r)}"
 
