@@ -1,0 +1,90 @@
+"""How cost grows with prompt length: one server, `bench serve` at each input length and concurrency, against
+the GPU's floors at that length.
+
+Floors (one H200: 989 dense bf16 TFLOP/s, 4.8 TB/s HBM): a prompt of L tokens needs 2 x params x L FLOPs of
+projections plus 2 x layers x heads x head_dim x L^2 of causal attention, so TTFT cannot beat that over the
+peak; a decode step of c sequences reads every weight once plus each sequence's K/V, so ITL cannot beat
+those bytes over the bandwidth, and output tok/s cannot exceed c over that ITL.
+
+python -m benchmarks.engine.length_curve [--model Qwen/Qwen3-8B] [--lengths 512,2048,8192,32768]
+    [--concurrency 1,64] [--output-len 256] [--result-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pagedserve.bench.launch import LocalServer
+from pagedserve.config import ModelConfig, resolve_model
+from pagedserve.memory import kv_bytes_per_token, weight_bytes
+
+import torch
+
+PEAK_FLOPS, PEAK_BYTES = 989e12, 4.8e12
+
+
+def floors(model: ModelConfig, kv_dtype: torch.dtype, length: int, output_len: int, c: int) -> tuple[float, float]:
+    """(TTFT floor in s for one prompt alone, output tok/s ceiling at c sequences) at this length."""
+    flops = 2 * model.num_params() * length + 2 * model.num_layers * model.num_heads * model.head_dim * length ** 2
+    mid = length + output_len // 2  # the average context over the decode
+    step_bytes = weight_bytes(model, torch.bfloat16) + c * mid * kv_bytes_per_token(model, kv_dtype)
+    return flops / PEAK_FLOPS, c / (step_bytes / PEAK_BYTES)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="Qwen/Qwen3-8B")
+    ap.add_argument("--lengths", default="512,2048,8192,32768")
+    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=600_000,
+                    help="At most this many prompt tokens a point (fewer prompts at long lengths).")
+    ap.add_argument("--serve-args", default="--gpu-memory-utilization 0.9 --max-num-seqs 64 "
+                                            "--max-num-batched-tokens 8192 --enable-chunked-prefill")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--result-dir", default="results/length-curve")
+    ns = ap.parse_args()
+    lengths = [int(x) for x in ns.lengths.split(",")]
+    levels = [int(x) for x in ns.concurrency.split(",")]
+    out = Path(ns.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = ModelConfig.from_hf_dict(resolve_model(ns.model, "dummy").hf_config)
+    kv_dtype = torch.float8_e4m3fn if ns.kv_cache_dtype.startswith("fp8") else torch.bfloat16
+    # a few tokens of slack: the tokenizer may add a BOS to the prompt
+    flags = ["--load-format", "dummy", "--max-model-len", str(max(lengths) + ns.output_len + 16),
+             "--kv-cache-dtype", ns.kv_cache_dtype, *ns.serve_args.split()]
+    rows = []
+    with LocalServer(ns.model, flags, out / "server.log") as server:
+        for length in lengths:
+            for c in levels:
+                prompts = max(1, min(c, ns.max_prompt_tokens // length)) if c > 1 else 3
+                name = f"len{length}-c{c}.json"
+                subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url", server.base_url,
+                                "--model", ns.model,
+                                "--random-input-len", str(length), "--random-output-len", str(ns.output_len),
+                                "--num-prompts", str(prompts), "--max-concurrency", str(c), "--disable-tqdm",
+                                "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,95",
+                                "--result-dir", str(out), "--result-filename", name], check=True,
+                               stdout=subprocess.DEVNULL)
+                r = json.loads((out / name).read_text())
+                ttft_floor, tput_ceiling = floors(model, kv_dtype, length, ns.output_len, min(c, prompts))
+                rows.append((length, c, prompts, r["output_throughput"], tput_ceiling, r["median_ttft_ms"],
+                             1e3 * ttft_floor, r["median_itl_ms"], r.get("server_preemptions")))
+                print(f"len {length} c {c}: {r['output_throughput']:.0f} tok/s, median TTFT {r['median_ttft_ms']:.0f} ms",
+                      flush=True)
+    print(f"\n{ns.model}, KV {ns.kv_cache_dtype}, output {ns.output_len}; {' '.join(flags)}")
+    print("| input | concurrency (prompts) | output tok/s | HBM ceiling | of ceiling | median TTFT ms | compute floor ms "
+          "| median ITL ms | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for length, c, prompts, tput, ceil, ttft, tfloor, itl, pre in rows:
+        print(f"| {length} | {c} ({prompts}) | {tput:,.0f} | {ceil:,.0f} | {100 * tput / ceil:.0f} % | {ttft:,.1f} | "
+              f"{tfloor:,.1f} | {itl:.2f} | {pre} |")
+    (out / "curve.json").write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
