@@ -116,7 +116,7 @@ def test_synthetic_steps_put_each_token_in_its_own_block_slot():
     for pos, slot, row in zip(inp.positions, inp.slots, [0, 1] + [2] * 24):
         assert slot == tables[row, pos // 16] * 16 + pos % 16
     assert inp.sample_rows.tolist() == [0, 1, 25]
-    assert step_features(inp) == (26, 57, 24 * 24) and step_kind(inp, 256) == "mixed"
+    assert step_features(inp) == (26, 57, 24 * 24) and step_kind(inp, (256, 0)) == "mixed" and step_kind(inp, (256, 32)) == "graph"
 
 
 def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):

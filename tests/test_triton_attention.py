@@ -177,6 +177,36 @@ def test_engine_with_triton_backend_matches_torch_backend():
     assert [o.outputs[0].token_ids for o in tri] == [o.outputs[0].token_ids for o in ref]
 
 
+def test_padded_prompt_steps_match_the_torch_backend(monkeypatch):
+    """The fixed-size steps that CUDA graphs replay (padding tokens, unused tiles pointing at the empty
+    row), run here kernel by kernel: every step with prompt tokens goes through them, with and without
+    decodes, and the greedy tokens equal the reference backend's."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.model.runner import ModelRunner
+
+    prompts = ["Hello world", "The scheduler limits each step by the number of sequences and tokens", "Paris",
+               "A fourth prompt, long enough to be cut into several chunks by the token budget of a step"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(kv_cache_memory="4MiB", max_num_batched_tokens=40, max_num_seqs=3)
+    ref = LLM("tiny", attention_backend="torch", **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM("tiny", attention_backend="triton", **kw)
+    runner = llm.engine.core.worker.runner
+    runner.capture_prompt_graphs(graphs=False)
+    assert sorted(runner._prompt_graphs) == [16, 32]
+    padded, real = [], ModelRunner._replay_prompt
+
+    def spy(self, inp, fills):
+        hidden = real(self, inp, fills)
+        padded.append((hidden is not None, bool((inp.query_lens == 1).any())))
+        return hidden
+
+    monkeypatch.setattr(ModelRunner, "_replay_prompt", spy)
+    tri = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tri] == [o.outputs[0].token_ids for o in ref]
+    assert (True, True) in padded and (True, False) in padded  # mixed with decodes, and prompts alone
+    assert (False, True) in padded or (False, False) in padded  # over 32 tokens: kernel by kernel
+
+
 def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
     """Decode graphs compile only their own batch sizes' variants; eager steps choose split factors by
     batch and length, so the runner's warm-up must launch each of them next to prefill tiles, and in a

@@ -8,6 +8,7 @@ import gc
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,17 @@ def decode_graph_sizes(max_num_seqs: int) -> list[int]:
     return sorted({b for b in [1, 2, 4, 8, *range(16, top + 1, 16)] if b <= top} | {top})
 
 
+# Token counts of the steps with prompt tokens that replay a CUDA graph (padded up to the next size):
+# launched kernel by kernel, such a step takes the host longer than the GPU up to a few hundred tokens.
+# Steps are padded by at most a quarter of their tokens.
+PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+def prompt_graph_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the prompt-carrying steps that get a CUDA graph (the planner counts them too)."""
+    return [t for t in PROMPT_GRAPH_SIZES if t <= max_num_batched_tokens]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, backend: AttentionBackend):
         self.config, self.model, self.backend = config, model, backend
@@ -64,6 +76,9 @@ class ModelRunner:
         # the last launched step's sampled tokens, still on the device (later inputs are filled from them)
         self._last_tokens: torch.Tensor | None = None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
+        # steps with prompt tokens, by padded token count: (replay, hidden states, metadata)
+        self._prompt_graphs: dict[int, tuple[Callable[[], None], torch.Tensor, AttentionMetadata]] = {}
+        self._graph_pool = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The cache, plus one block beyond the pool's: padded rows of a CUDA-graph batch write there."""
@@ -172,7 +187,6 @@ class ModelRunner:
             "tables": torch.zeros((top, width), dtype=torch.int32, device=dev),
         }
         st = self._static
-        pool = None
         for bs in reversed(sizes):
             segs = self.backend.decode_segments(bs, self.config.max_model_len)
             meta = AttentionMetadata(st["slots"][:bs], st["starts"][:bs + 1], st["seq_lens"][:bs], st["tables"][:bs],
@@ -183,9 +197,9 @@ class ModelRunner:
 
             run()  # warm-up: compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self._graph_pool):
                 logits = run()
-            pool = graph.pool()
+            self._graph_pool = graph.pool()
             self._graphs[bs] = (graph, logits, meta)
         torch.cuda.synchronize(dev)
         used = free0 - torch.cuda.mem_get_info(dev)[0]
@@ -209,6 +223,71 @@ class ModelRunner:
         graph, logits, _ = self._graphs[bs]
         graph.replay()
         return logits[:n]
+
+    @torch.inference_mode()
+    def capture_prompt_graphs(self, graphs: bool = True) -> None:
+        """One graph per size of ``prompt_graph_sizes``, for steps with prompt tokens (with or without
+        decodes) over up to ``max_num_seqs`` sequences. Inputs live in fixed buffers: the step's tokens
+        first, padding tokens after them (their K/V go to the trash slot), and one empty sequence row that
+        the attention tiles a step does not use point at. ``graphs=False`` keeps the same padded steps
+        but runs them kernel by kernel (how they are checked where CUDA graphs do not exist)."""
+        sizes = prompt_graph_sizes(self.config.max_num_batched_tokens)
+        if not sizes:
+            return
+        t0 = time.perf_counter()
+        rows, top, dev = self.config.max_num_seqs, sizes[-1], self.device
+        self._prompt_static = st = {
+            "ids": torch.zeros(top, dtype=torch.long, device=dev),
+            "pos": torch.zeros(top, dtype=torch.long, device=dev),
+            "slots": torch.full((top,), self.trash_slot, dtype=torch.long, device=dev),
+            "starts": torch.zeros(rows + 2, dtype=torch.int32, device=dev),
+            "seq_lens": torch.zeros(rows + 1, dtype=torch.int32, device=dev),
+            "tables": torch.zeros((rows + 1, self.config.blocks_per_max_len_request), dtype=torch.int32, device=dev),
+        }
+        for size in reversed(sizes):
+            meta = AttentionMetadata(st["slots"][:size], st["starts"], st["seq_lens"], st["tables"], size,
+                                     self.config.max_model_len, np.zeros(0, dtype=np.int64),
+                                     self.backend.padded_state(dev, rows, size))
+
+            def run(size=size, meta=meta):
+                return self.model(st["ids"][:size], st["pos"][:size], self.kv_caches, meta)
+
+            hidden = run()  # also compiles the kernels outside the capture
+            replay = lambda run=run, hidden=hidden: hidden.copy_(run())  # noqa: E731
+            if graphs:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._graph_pool):
+                    hidden = run()
+                self._graph_pool, replay = graph.pool(), graph.replay
+            self._prompt_graphs[size] = (replay, hidden, meta)
+        if graphs:
+            torch.cuda.synchronize(dev)
+        logger.info("Captured %d graphs for steps with prompt tokens (up to %d tokens) in %.1f secs", len(sizes),
+                    top, time.perf_counter() - t0)
+
+    def _replay_prompt(self, inp: StepInputs, fills: torch.Tensor | None) -> torch.Tensor | None:
+        """Hidden states of a step with prompt tokens through a captured graph, or None if it fits none."""
+        st, dev = self._prompt_static, self.device
+        n, rows = len(inp.ids), len(inp.query_lens)
+        size = min((t for t in self._prompt_graphs if t >= n), default=None)
+        if size is None or rows >= len(st["seq_lens"]):  # more sequences than at capture (limits raised since)
+            return None
+        replay, hidden, meta = self._prompt_graphs[size]
+        starts = np.full(len(st["starts"]), n, dtype=np.int32)
+        starts[0] = 0
+        np.cumsum(inp.query_lens, out=starts[1:rows + 1])
+        seq_lens = np.zeros(len(st["seq_lens"]), dtype=np.int32)
+        seq_lens[:rows] = inp.seq_lens
+        for dst, a in ((st["ids"][:n], inp.ids), (st["pos"][:n], inp.positions), (st["slots"][:n], inp.slots),
+                       (st["starts"], starts), (st["seq_lens"], seq_lens),
+                       (st["tables"][:rows, :inp.tables.shape[1]], inp.tables),
+                       *self.backend.fill_padded(meta.backend_state, inp.query_lens)):
+            dst.copy_(staged(a, dev), non_blocking=True)
+        st["slots"][n:size].fill_(self.trash_slot)
+        if fills is not None:
+            st["ids"].index_copy_(0, self._to_device(inp.fill_rows), fills)
+        replay()
+        return hidden[:n]
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         return to_device(a, self.device)
@@ -244,11 +323,13 @@ class ModelRunner:
         logits = self._replay_decode(inp, fills)
         if logits is not None:
             return logits
-        meta = self._metadata(self._to_device(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
-        ids = self._to_device(inp.ids)
-        if fills is not None:
-            ids = ids.index_copy(0, self._to_device(inp.fill_rows), fills)
-        hidden = self.model(ids, self._to_device(inp.positions), self.kv_caches, meta)
+        hidden = self._replay_prompt(inp, fills) if self._prompt_graphs else None
+        if hidden is None:
+            meta = self._metadata(self._to_device(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
+            ids = self._to_device(inp.ids)
+            if fills is not None:
+                ids = ids.index_copy(0, self._to_device(inp.fill_rows), fills)
+            hidden = self.model(ids, self._to_device(inp.positions), self.kv_caches, meta)
         if not len(inp.sample_rows):
             return None
         return self.model.compute_logits(hidden[self._to_device(inp.sample_rows)])

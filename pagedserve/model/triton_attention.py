@@ -299,6 +299,7 @@ class TritonState:
     part_acc: torch.Tensor | None
     part_ml: torch.Tensor | None
     counts: torch.Tensor | None  # [decode tiles x KV heads] segments finished (the fused decode's merge)
+    padded: bool = False         # tiles of fixed number (a captured graph); unused ones point at an empty row
 
 
 class TritonAttentionBackend:
@@ -362,6 +363,31 @@ class TritonAttentionBackend:
         if counts is None or counts.numel() < n:
             counts = self._counts[dev] = torch.zeros(max(n, 2 * self.num_sms), dtype=torch.int32, device=dev)
         return counts
+
+    def padded_state(self, dev, rows: int, tokens: int) -> TritonState:
+        """Launches of fixed size for steps of up to ``tokens`` tokens over up to ``rows`` sequences, with
+        row ``rows`` left empty (no tokens, no keys): the tile arrays live on the device, ``fill_padded``
+        writes each step's into them, and tiles the step does not use point at the empty row, so the
+        kernels skip them. Decodes are not split, so no merge is launched."""
+        prefill_tiles = -(-tokens // self.prefill_block_q) + rows  # each prefilling row may end a tile early
+        zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=dev)  # noqa: E731
+        decode = _Launch(zeros(rows), zeros(rows), 1, self.decode_block_m, 1)
+        prefill = _Launch(zeros(prefill_tiles), zeros(prefill_tiles), self.prefill_block_q,
+                          max(16, triton.next_power_of_2(self.prefill_block_q * self.G)), 1)
+        return TritonState(decode, prefill, None, None, None, padded=True)
+
+    def fill_padded(self, st: TritonState, query_lens: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """(device tile array, its values) for a padded state and a step's query lengths; the caller
+        copies them in."""
+        empty = len(st.decode.tile_seq)
+        decode_seqs, prefill_tiles = self._tiles(query_lens)
+        dec = np.full(empty, empty, dtype=np.int32)
+        dec[:len(decode_seqs)] = decode_seqs
+        pre = np.zeros((2, len(st.prefill.tile_seq)), dtype=np.int32)
+        pre[0] = empty
+        if prefill_tiles:
+            pre[:, :len(prefill_tiles)] = np.asarray(prefill_tiles, dtype=np.int32).T
+        return [(st.decode.tile_seq, dec), (st.prefill.tile_seq, pre[0]), (st.prefill.tile_qoff, pre[1])]
 
     def _tiles(self, qlens: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """The decoding requests, and (request, first query token) of every prefill tile."""
@@ -436,8 +462,8 @@ class TritonAttentionBackend:
 
     def _cuda_kernel(self, q_dtype, kv_cache, launch: _Launch, st: TritonState) -> CudaFp8Decode | None:
         """The CUDA fp8 decode for this launch, if it is one the kernel covers (given aligned queries)."""
-        if not (self.CUDA_FP8_DECODE and launch is st.decode and launch.num_segments == 1 and kv_cache.is_cuda
-                and kv_cache.dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16):
+        if not (self.CUDA_FP8_DECODE and launch is st.decode and launch.num_segments == 1 and not st.padded
+                and kv_cache.is_cuda and kv_cache.dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16):
             return None
         page = kv_cache.shape[2]
         if page not in self._cuda_decode:

@@ -2,8 +2,8 @@
 
 Start-up: the device (and its free memory against the budget), the tensor-parallel group (rank 0 starts
 one process per other rank), the weights, the memory budget (a profiling pass measures the activation
-peak on CUDA), the KV cache, the decode CUDA graphs (captured after the cache, so they must fit in the
-headroom), a warm-up that compiles every kernel variant a step may choose, and a heap freeze. Then each
+peak on CUDA), the KV cache, the CUDA graphs (decode batches, and steps with prompt tokens up to a few
+hundred tokens; captured after the cache, so they must fit in the headroom), a warm-up that compiles every kernel variant a step may choose, and a heap freeze. Then each
 step's arrays go to the model runner (and, with tensor parallelism, to the other ranks first).
 """
 
@@ -95,6 +95,7 @@ class Worker:
         torch.manual_seed(config.args.seed)
         if on_cuda and backend.name == "triton" and not config.args.enforce_eager:
             self.runner.capture_decode_graphs()
+            self.runner.capture_prompt_graphs()
         self.runner.warm_up()
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -24,7 +24,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.memory import dtype_name
 from pagedserve.errors import ConfigError
 from pagedserve.model.step import SamplingInputs, StepInputs
-from pagedserve.sim.cost import Calibration, CostModel, largest_graph, step_kind, step_features
+from pagedserve.sim.cost import Calibration, CostModel, graph_caps, step_kind, step_features
 
 _WARMUPS, _REPEATS = 2, 5
 
@@ -107,13 +107,13 @@ def calibrate(args, log=print) -> Calibration:
     try:
         rng = np.random.default_rng(0)
         shapes = step_grid(config, worker.budget.num_blocks)
-        samples, graph_cap = [], largest_graph(config)
+        samples, caps = [], graph_caps(config)
         for k, shape in enumerate(shapes):
             inp = synthetic_step(shape, config.block_size, worker.budget.num_blocks, config.model.vocab_size, rng)
             t, ctx, work = step_features(inp)
             seconds = time_step(worker, inp)
             samples.append({"tokens": t, "decode_context": ctx, "prefill_work": work, "seqs": len(shape),
-                            "kind": step_kind(inp, graph_cap), "seconds": seconds})
+                            "kind": step_kind(inp, caps), "seconds": seconds})
             log(f"[{k + 1}/{len(shapes)}] {len(shape)} seqs, {t} tokens, {ctx} decode context: {1e3 * seconds:.3f} ms")
         cost, err = CostModel.fit(samples)
         if config.device.type == "cuda":

@@ -9,9 +9,9 @@ T: tokens in the step (prompt and decode). The projections read every weight onc
 compute 2 x params FLOPs a token: below T* tokens reading the weights is the cost, above it computing is
 (a roofline), hence b * max(T*, T). K: context tokens the decodes' attention reads (their K/V bytes).
 Q: for prompt chunks, query tokens x positions attended (prefill attention grows with both). e: what
-every step pays (sampling, the copy of the tokens back). H: an eager step (any prompt tokens, or a decode
-batch without a graph) cannot end before the host has launched its kernels one by one; M: the same for a
-mixed step, which launches both attention paths in every layer. S: one sequence decodes on the one-row
+every step pays (sampling, the copy of the tokens back). H: an eager step (a decode batch without a graph, or
+more prompt tokens than the largest prompt graph) cannot end before the host has launched its kernels one
+by one; M: the same for a mixed step, which launches both attention paths in every layer. S: one sequence decodes on the one-row
 GEMV path, its own weights' read. Fitted by least squares on relative error over a scan of T*, H and M;
 each coefficient keeps a physical meaning, so a calibration can be read and checked.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedserve.errors import ConfigError
-from pagedserve.model.runner import decode_graph_sizes
+from pagedserve.model.runner import decode_graph_sizes, prompt_graph_sizes
 from pagedserve.model.step import StepInputs
 
 FEATURES = ("tokens", "decode_context", "prefill_work")
@@ -39,18 +39,24 @@ def step_features(inp: StepInputs) -> tuple[int, int, int]:
     return int(q.sum()), int(s[decode].sum()), int((q[~decode] * s[~decode]).sum())
 
 
-def largest_graph(config) -> int:
-    """The largest decode batch the engine of ``config`` replays as a CUDA graph (0: every step is eager)."""
+def graph_caps(config) -> tuple[int, int]:
+    """(the largest decode batch, the most tokens of a step with prompt tokens) that the engine of
+    ``config`` replays as a CUDA graph; (0, 0): every step is launched kernel by kernel."""
     if config.device.type != "cuda" or config.args.enforce_eager or config.args.attention_backend == "torch":
-        return 0
-    return decode_graph_sizes(config.max_num_seqs)[-1]
+        return 0, 0
+    prompt = prompt_graph_sizes(config.max_num_batched_tokens)
+    return decode_graph_sizes(config.max_num_seqs)[-1], prompt[-1] if prompt else 0
 
 
-def step_kind(inp: StepInputs, graph_cap: int) -> str:
-    """"single" (one sequence's decode graph), "graph" (a larger decode graph), "mixed" (decodes and
-    prompt chunks, launched kernel by kernel) or "eager" (launched kernel by kernel)."""
-    if inp.decode_only and len(inp.query_lens) <= graph_cap:
+def step_kind(inp: StepInputs, caps: tuple[int, int]) -> str:
+    """"single" (one sequence's decode graph), "graph" (a larger decode graph, or a step with prompt
+    tokens replayed as one), "mixed" (decodes and prompt chunks, launched kernel by kernel) or "eager"
+    (launched kernel by kernel)."""
+    decode_cap, prompt_cap = caps
+    if inp.decode_only and len(inp.query_lens) <= decode_cap:
         return "single" if len(inp.query_lens) == 1 else "graph"
+    if not inp.decode_only and len(inp.ids) <= prompt_cap:
+        return "graph"
     decode = inp.query_lens == 1
     return "mixed" if decode.any() and not decode.all() else "eager"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pagedserve.memory import MemoryBudget
 from pagedserve.model.step import SamplingInputs, StepInputs
-from pagedserve.sim.cost import CostModel, largest_graph, step_features, step_kind
+from pagedserve.sim.cost import CostModel, graph_caps, step_features, step_kind
 
 
 class _Samples:
@@ -21,13 +21,13 @@ class _Samples:
 class SimulatedWorker:
     def __init__(self, config, budget: MemoryBudget, cost: CostModel):
         self.budget, self.cost = budget, cost
-        self.graph_cap = largest_graph(config)
+        self.caps = graph_caps(config)
         self.launched: list[float] = []  # seconds of each step launched since the caller last took them
         # what the device would hold: the budget (weights, activations, the preallocated cache)
         self._memory = budget.weights + budget.activation_peak + budget.non_torch + budget.kv_cache_bytes
 
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> _Samples | None:
-        self.launched.append(self.cost.seconds(*step_features(inp), step_kind(inp, self.graph_cap)))
+        self.launched.append(self.cost.seconds(*step_features(inp), step_kind(inp, self.caps)))
         return _Samples(len(inp.sample_rows)) if len(inp.sample_rows) else None
 
     def device_memory(self) -> tuple[int, int]:

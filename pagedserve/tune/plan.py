@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pagedserve.config import EngineArgs, EngineConfig
 from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, compute_budget, dtype_name, fmt_bytes,
                                weight_bytes)
-from pagedserve.model.runner import decode_graph_sizes
+from pagedserve.model.runner import decode_graph_sizes, prompt_graph_sizes
 
 MiB = 2**20
 # Total device memory as torch reports it (H200: what torch reported on one; the others: the totals
@@ -29,7 +29,7 @@ GPU_PRESETS: dict[str, int] = {
 }
 NON_TORCH_ESTIMATE = 256 * MiB       # cuBLAS/Triton workspaces, with room above what an H200 run logged
 NCCL_ESTIMATE = 512 * MiB            # communication buffers per rank when tensor parallel
-GRAPH_ESTIMATE_PER_SIZE = 32 * MiB   # per captured decode batch size, above what Qwen3-8B's graphs took
+GRAPH_ESTIMATE_PER_SIZE = 32 * MiB   # per captured graph size, above what Qwen3-8B's graphs took
 WORKSPACE_HEADROOM = GiB             # what CUDA context, allocator slack and spikes need beyond graphs
 
 
@@ -111,7 +111,8 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
         activation_peak=activation_peak_estimate(m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.dtype, tp),
         non_torch=non_torch, device_total=total, utilization=args.gpu_memory_utilization if on_gpu else None,
         kv_cache_memory=cfg.kv_cache_memory, num_blocks_override=args.num_gpu_blocks_override, tp=tp)
-    graphs = 0 if (not on_gpu or args.enforce_eager) else GRAPH_ESTIMATE_PER_SIZE * len(decode_graph_sizes(cfg.max_num_seqs))
+    num_graphs = len(decode_graph_sizes(cfg.max_num_seqs)) + len(prompt_graph_sizes(cfg.max_num_batched_tokens))
+    graphs = 0 if (not on_gpu or args.enforce_eager) else GRAPH_ESTIMATE_PER_SIZE * num_graphs
     lengths = {f"max_model_len {cfg.max_model_len}": cfg.max_model_len}
     if input_len or output_len:
         n = (input_len or 0) + (output_len or 0)
