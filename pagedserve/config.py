@@ -219,6 +219,7 @@ class EngineArgs:
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step (default 8192 on CUDA, 2048 on CPU; max_model_len without chunked prefill).", size=True)
     enable_chunked_prefill: bool = _arg(True, "Split long prompts over steps to fit the token budget.")
+    max_mixed_prefill_tokens: int = _arg(256, "While requests decode, a step takes at most this many prompt tokens (longer prompts go on in later steps), so a newly admitted prompt adds at most that much to the running streams' inter-token latency; 0: only --max-num-batched-tokens bounds them. Needs chunked prefill.")
     enable_prefix_caching: bool = _arg(True, "Reuse the KV blocks of a shared prompt prefix across requests.")
     block_size: int = _arg(16, "Tokens per KV-cache block.")
     gpu_memory_utilization: float = _arg(0.9, "Fraction of total GPU memory for this engine: weights, activations and KV cache.")
@@ -291,6 +292,9 @@ class EngineArgs:
         if max_num_seqs is None:
             max_num_seqs = min(256 if on_cuda else 128, batched)
         check_step_limits(max_num_seqs, batched, max_model_len, self.enable_chunked_prefill)
+        mixed = self.max_mixed_prefill_tokens
+        if not isinstance(mixed, int) or isinstance(mixed, bool) or mixed < 0:
+            raise ConfigError(f"{flag('max_mixed_prefill_tokens')}: {mixed!r} must be an integer >= 0 (0: no bound).")
 
         kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if kv_cache_memory is not None and kv_cache_memory <= 0:

@@ -40,9 +40,9 @@ workload = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integer
 @settings(max_examples=80, deadline=None)
 @given(workload=workload, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]),
        max_num_seqs=st.integers(1, 8), budget=st.integers(8, 64), chunked=st.booleans(),
-       caching=st.booleans(), overlap=st.booleans(), seed=st.integers(0, 2**16))
+       caching=st.booleans(), overlap=st.booleans(), mixed=st.sampled_from([0, 3, 16]), seed=st.integers(0, 2**16))
 def test_random_workload_invariants(workload, num_blocks, block_size, max_num_seqs, budget, chunked, caching,
-                                    overlap, seed):
+                                    overlap, mixed, seed):
     """``overlap``: as the engine core runs it, step N+1 is scheduled before step N's tokens are in."""
     rng = random.Random(seed)
     max_model_len = 90
@@ -53,7 +53,7 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
         budget = max(budget, max_model_len)
     budget = max(budget, max_num_seqs)
     pool = BlockPool(num_blocks, block_size, -(-max_model_len // block_size), enable_prefix_caching=caching)
-    sched = Scheduler(pool, max_num_seqs, budget, max_model_len, chunked)
+    sched = Scheduler(pool, max_num_seqs, budget, max_model_len, chunked, mixed)
     # prompts share prefixes (every one starts 0, 1, 2, ...), so the prefix cache is hit and blocks shared;
     # odd requests stop at token 13 (about one sampled token in 20)
     pending = [make_request(str(i), p, o, eos=(13,) if i % 2 else ()) for i, (p, o, _) in enumerate(workload)]
@@ -83,6 +83,8 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
         assert len(out.scheduled) <= max_num_seqs
         assert len(sched.running) <= max_num_seqs
         assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
+        if mixed and chunked and out.num_decode_tokens:  # prompt tokens held down while requests decode
+            assert sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1) <= mixed
         for s in out.scheduled:
             assert s.num_tokens >= 1
             assert s.request.num_pending_tokens <= 2  # at most one step in flight besides this one
@@ -126,6 +128,24 @@ def test_decode_first_then_fcfs_and_mixed_step():
     # a decodes (1 token) and b's prefill continues in the same step with the rest of the budget
     assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 9
+
+
+def test_prompt_tokens_are_held_down_only_while_requests_decode():
+    pool = BlockPool(100, 4, 16, enable_prefix_caching=False)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64, enable_chunked_prefill=True,
+                      max_mixed_prefill_tokens=3)
+    a, b, c = make_request("a", 6, 5), make_request("b", 30, 5), make_request("c", 2, 5)
+    for r in (a, b, c):
+        sched.add_request(r)
+    out = sched.schedule()  # nothing decodes yet: the whole token budget
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 6), ("b", 4)]
+    sched.update_from_output(out, [7])
+    out = sched.schedule()  # a decodes: b's next chunk gets 3 tokens and c waits, though 6 more would fit
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 3)]
+    sched.update_from_output(out, [7])
+    sched.max_mixed_prefill_tokens = 0  # the bound off: the token budget alone, as before
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
 
 
 def test_token_budget_wins_over_sequence_cap():

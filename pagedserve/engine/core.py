@@ -92,7 +92,8 @@ class EngineCore:
         self.pool = BlockPool(budget.num_blocks, config.block_size, config.blocks_per_max_len_request,
                               config.args.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.enable_chunked_prefill)
+                                   config.max_model_len, config.enable_chunked_prefill,
+                                   config.args.max_mixed_prefill_tokens)
         self.counters = EngineCounters()
         self.peaks = EnginePeaks()
         self.last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)

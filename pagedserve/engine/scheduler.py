@@ -1,7 +1,9 @@
 """The continuous-batching scheduler (vLLM V1 semantics).
 
 Each step has two budgets: at most ``max_num_seqs`` running requests and at most
-``max_num_batched_tokens`` tokens. Running requests go first, in admission order (a decode takes 1
+``max_num_batched_tokens`` tokens; while any request decodes, prompt tokens are held to
+``max_mixed_prefill_tokens`` of them, so a new prompt lengthens the running requests' steps by a
+bounded amount. Running requests go first, in admission order (a decode takes 1
 token, an unfinished prefill its next chunk); then waiting requests FCFS. Prefill and decode share the
 step. When a running request cannot get a block, the most recently admitted running request is
 preempted: its blocks are freed, it will be recomputed, and it goes back to the front of the queue.
@@ -63,10 +65,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool):
+                 max_model_len: int, enable_chunked_prefill: bool, max_mixed_prefill_tokens: int = 0):
         self.pool = pool
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # prompt tokens a step may take while requests decode (0: the token budget alone)
+        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens if enable_chunked_prefill else 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -110,6 +114,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.monotonic()
+        prompt_budget = budget
+        if self.max_mixed_prefill_tokens and any(r.num_tokens_with_pending - r.num_computed_tokens == 1
+                                                 for r in self.running):
+            prompt_budget = min(budget, self.max_mixed_prefill_tokens)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -117,7 +125,12 @@ class Scheduler:
             if req.ends_in_flight(self.max_model_len):
                 i += 1
                 continue
-            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            n = req.num_tokens_with_pending - req.num_computed_tokens
+            prefilling = n > 1  # a prompt chunk (or a preempted request's recompute), not a decode
+            n = min(n, budget, prompt_budget) if prefilling else n
+            if n <= 0:  # no prompt tokens left for this step
+                i += 1
+                continue
             scheduled = True
             while not self.pool.allocate_slots(req, n):
                 victim = self.running.pop()
@@ -129,20 +142,23 @@ class Scheduler:
                 break
             self._schedule(req, n, out)
             budget -= n
+            if prefilling:
+                prompt_budget -= n
             i += 1
 
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and prompt_budget > 0 and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]  # new or preempted: nothing computed, no blocks held
                 if req.num_pending_tokens:  # preempted while its token was in flight: wait for it
                     break
                 cached = self.pool.lookup(req)
                 num_cached = len(cached) * self.pool.block_size
                 n = req.num_tokens - num_cached
-                if n > budget:
+                room = min(budget, prompt_budget)
+                if n > room:
                     if not self.enable_chunked_prefill:
                         break
-                    n = budget
+                    n = room
                 if not self.pool.allocate_slots(req, n, cached):
                     break
                 out.prefix_cache_queries += req.num_tokens
@@ -155,6 +171,7 @@ class Scheduler:
                 self.running.append(req)
                 self._schedule(req, n, out)
                 budget -= n
+                prompt_budget -= n
 
         assert out.total_tokens <= self.max_num_batched_tokens
         return out
