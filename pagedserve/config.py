@@ -219,7 +219,7 @@ class EngineArgs:
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step (default 8192 on CUDA, 2048 on CPU; max_model_len without chunked prefill).", size=True)
     enable_chunked_prefill: bool = _arg(True, "Split long prompts over steps to fit the token budget.")
-    max_mixed_prefill_tokens: int = _arg(256, "While requests decode, a step takes at most this many prompt tokens (longer prompts go on in later steps), so a newly admitted prompt adds at most that much to the running streams' inter-token latency; 0: only --max-num-batched-tokens bounds them. Needs chunked prefill.")
+    max_mixed_prefill_tokens: int | None = _arg(None, "While requests decode, a step takes at most this many prompt tokens (longer prompts go on in later steps), so a newly admitted prompt adds at most that much to the running streams' inter-token latency; 0: only --max-num-batched-tokens bounds them. Needs chunked prefill. Default: 256 for `serve` (latency first), 0 offline (throughput first).")
     enable_prefix_caching: bool = _arg(True, "Reuse the KV blocks of a shared prompt prefix across requests.")
     block_size: int = _arg(16, "Tokens per KV-cache block.")
     gpu_memory_utilization: float = _arg(0.9, "Fraction of total GPU memory for this engine: weights, activations and KV cache.")
@@ -237,10 +237,11 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
-    def create_config(self, plan_for: str | None = None) -> "EngineConfig":
+    def create_config(self, plan_for: str | None = None, serving: bool = False) -> "EngineConfig":
         """Resolve every default and validate every value; the one place config errors come from.
         ``plan_for="cuda"`` resolves as the engine would on a GPU that this machine need not have (the
-        planner's case; weights are never read then)."""
+        planner's case; weights are never read then). ``serving``: the engine behind ``pagedserve serve``,
+        whose defaults put the running streams' latency first (the offline engine's, throughput)."""
         if self.trust_remote_code:
             raise ConfigError(f"{flag('trust_remote_code')}: pagedserve never runs code from a model folder; it serves "
                               f"Llama, Mistral, Qwen2 and Qwen3 from config.json and the weights alone. Leave the "
@@ -293,6 +294,8 @@ class EngineArgs:
             max_num_seqs = min(256 if on_cuda else 128, batched)
         check_step_limits(max_num_seqs, batched, max_model_len, self.enable_chunked_prefill)
         mixed = self.max_mixed_prefill_tokens
+        if mixed is None:
+            mixed = 256 if serving else 0
         if not isinstance(mixed, int) or isinstance(mixed, bool) or mixed < 0:
             raise ConfigError(f"{flag('max_mixed_prefill_tokens')}: {mixed!r} must be an integer >= 0 (0: no bound).")
 
@@ -307,7 +310,7 @@ class EngineArgs:
         return EngineConfig(
             args=self, source=source, model=model_config, device=device, dtype=dtype, kv_dtype=kv_dtype,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
-            kv_cache_memory=kv_cache_memory,
+            max_mixed_prefill_tokens=mixed if self.enable_chunked_prefill else 0, kv_cache_memory=kv_cache_memory,
         )
 
     def _resolve_device(self) -> torch.device:
@@ -358,6 +361,7 @@ class EngineConfig:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_mixed_prefill_tokens: int  # 0: no bound on prompt tokens beside decodes
     kv_cache_memory: int | None
 
     @property

@@ -262,8 +262,9 @@ def test_seed_documents_serve_command_parses_and_resolves():
     ns = build_parser().parse_args(
         ["serve", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "0.88", "--max-model-len", "8192", "--max-num-seqs",
          "16", "--max-num-batched-tokens", "4096", "--enable-chunked-prefill", "--load-format", "dummy"])
-    cfg = engine_args_from(ns).create_config()
+    cfg = engine_args_from(ns).create_config(serving=True)
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (8192, 16, 4096)
+    assert cfg.max_mixed_prefill_tokens == 256 and engine_args_from(ns).create_config().max_mixed_prefill_tokens == 0
     assert cfg.enable_chunked_prefill and cfg.args.gpu_memory_utilization == 0.88
     assert cfg.model.num_layers == 36 and cfg.model.qk_norm
 

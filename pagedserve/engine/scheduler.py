@@ -69,8 +69,7 @@ class Scheduler:
         self.pool = pool
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        # prompt tokens a step may take while requests decode (0: the token budget alone)
-        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens if enable_chunked_prefill else 0
+        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens  # 0: the token budget alone
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()

@@ -140,7 +140,7 @@ def build_server(ns: argparse.Namespace):
         raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without one.")
     if not 0 < ns.port < 65536:
         raise ConfigError(f"--port {ns.port} is not a TCP port.")
-    config = engine_args_from(ns).create_config()
+    config = engine_args_from(ns).create_config(serving=True)
     if profiles is not None:
         from pagedserve.tune.profiles import check_against_engine
 

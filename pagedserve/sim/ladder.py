@@ -48,7 +48,7 @@ class Simulation:
         args = engine_args_from(check_serve_flags(model, flags))
         if args.tensor_parallel_size != 1:
             raise ConfigError("--tensor-parallel-size: the simulator models one GPU.")
-        config = args.create_config(plan_for="cuda")
+        config = args.create_config(plan_for="cuda", serving=True)
         cal = self.calibration
         kv = dtype_name(config.kv_dtype)
         if args.model != cal.model or kv != cal.kv_cache_dtype:

@@ -85,7 +85,7 @@ def cmd_tune(ns: argparse.Namespace) -> None:
         raise ConfigError("--gpu and --gpu-memory size a simulated GPU: give them with --simulate.")
     else:
         gpu = gpu_facts() if args.device != "cpu" else None
-    config = args.create_config(plan_for="cuda" if gpu else None)  # as the server will resolve it
+    config = args.create_config(plan_for="cuda" if gpu else None, serving=True)  # as the server will resolve it
     plan = plan_from(ns)
     folder = result_dir(ns.result_dir, "tune")
     device, plan_text = memory_plan(args, gpu)
