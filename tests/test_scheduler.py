@@ -78,12 +78,15 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
             victim = rng.choice(list(sched.requests))
             sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
             aborted.add(victim)
+        prefilling = sum(r.num_tokens_with_pending - r.num_computed_tokens > 1 for r in sched.running)
+        waiting = min(len(sched.waiting), max_num_seqs - len(sched.running))
+        held = mixed and chunked and len(sched.running) - prefilling > prefilling + waiting
         out = sched.schedule()
         assert out.total_tokens <= budget
         assert len(out.scheduled) <= max_num_seqs
         assert len(sched.running) <= max_num_seqs
         assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
-        if mixed and chunked and out.num_decode_tokens:  # prompt tokens held down while requests decode
+        if held:  # prompt tokens held down while decoding requests outnumber the prompts waiting
             assert sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1) <= mixed
         for s in out.scheduled:
             assert s.num_tokens >= 1
@@ -130,22 +133,25 @@ def test_decode_first_then_fcfs_and_mixed_step():
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 9
 
 
-def test_prompt_tokens_are_held_down_only_while_requests_decode():
+def test_prompt_tokens_are_held_down_while_decoding_requests_outnumber_waiting_prompts():
     pool = BlockPool(100, 4, 16, enable_prefix_caching=False)
-    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64, enable_chunked_prefill=True,
+    sched = Scheduler(pool, max_num_seqs=6, max_num_batched_tokens=12, max_model_len=64, enable_chunked_prefill=True,
                       max_mixed_prefill_tokens=3)
-    a, b, c = make_request("a", 6, 5), make_request("b", 30, 5), make_request("c", 2, 5)
-    for r in (a, b, c):
+    for r in (make_request("a1", 2, 9), make_request("a2", 2, 9), make_request("a3", 2, 9), make_request("b", 30, 5)):
         sched.add_request(r)
     out = sched.schedule()  # nothing decodes yet: the whole token budget
-    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 6), ("b", 4)]
-    sched.update_from_output(out, [7])
-    out = sched.schedule()  # a decodes: b's next chunk gets 3 tokens and c waits, though 6 more would fit
-    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 3)]
-    sched.update_from_output(out, [7])
-    sched.max_mixed_prefill_tokens = 0  # the bound off: the token budget alone, as before
-    out = sched.schedule()
-    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a1", 2), ("a2", 2), ("a3", 2), ("b", 6)]
+    sched.update_from_output(out, [7, 7, 7])
+    sched.add_request(make_request("c", 2, 5))
+    out = sched.schedule()  # 3 decoding > b prefilling + c waiting: b's chunk and c share 3 prompt tokens
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [
+        ("a1", 1), ("a2", 1), ("a3", 1), ("b", 3)]
+    sched.update_from_output(out, [7, 7, 7])
+    for i in range(3):  # a queue builds up: 3 decoding, b prefilling + 2 admissible (6 seats) of 4 waiting
+        sched.add_request(make_request(f"d{i}", 2, 5))
+    out = sched.schedule()  # ... 3 is not more than 3: the bound lifts
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [
+        ("a1", 1), ("a2", 1), ("a3", 1), ("b", 9)]
 
 
 def test_token_budget_wins_over_sequence_cap():

@@ -3,6 +3,7 @@ the engine's limits and leaks nothing, a simulated ladder and tune end to end, a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -102,7 +103,8 @@ def test_shipped_calibrations_load_and_describe_themselves():
     assert cal.model == "Qwen/Qwen3-8B" and cal.gpu == "NVIDIA H200" and cal.mape < 0.1
     assert "an eager step takes at least" in cal.describe() and cal.commit
     # the fit, redone on the shipped samples, is the shipped model
-    assert CostModel.fit(cal.samples)[0] == cal.cost
+    refit = CostModel.fit(cal.samples)[0]  # to the last bits that another machine's BLAS may round apart
+    assert dataclasses.asdict(refit) == pytest.approx(dataclasses.asdict(cal.cost), rel=1e-9)
     with pytest.raises(ConfigError, match="neither a calibration file nor one of the shipped ones"):
         load_calibration("h100-nothing")
 

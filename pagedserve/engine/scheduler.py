@@ -1,9 +1,9 @@
 """The continuous-batching scheduler (vLLM V1 semantics).
 
 Each step has two budgets: at most ``max_num_seqs`` running requests and at most
-``max_num_batched_tokens`` tokens; while any request decodes, prompt tokens are held to
-``max_mixed_prefill_tokens`` of them, so a new prompt lengthens the running requests' steps by a
-bounded amount. Running requests go first, in admission order (a decode takes 1
+``max_num_batched_tokens`` tokens; while decoding requests outnumber the prompts waiting for a step,
+prompt tokens are held to ``max_mixed_prefill_tokens`` of them, so a new prompt lengthens the running
+requests' steps by a bounded amount (a queue that builds up lifts the bound). Running requests go first, in admission order (a decode takes 1
 token, an unfinished prefill its next chunk); then waiting requests FCFS. Prefill and decode share the
 step. When a running request cannot get a block, the most recently admitted running request is
 preempted: its blocks are freed, it will be recomputed, and it goes back to the front of the queue.
@@ -114,9 +114,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.monotonic()
         prompt_budget = budget
-        if self.max_mixed_prefill_tokens and any(r.num_tokens_with_pending - r.num_computed_tokens == 1
-                                                 for r in self.running):
-            prompt_budget = min(budget, self.max_mixed_prefill_tokens)
+        if self.max_mixed_prefill_tokens:
+            # held down only while the decoding requests outnumber the prompts that wait for a step
+            # (prefilling, or admissible now): a queue that builds up lifts the bound and drains at full speed
+            prefilling = sum(r.num_tokens_with_pending - r.num_computed_tokens > 1 for r in self.running)
+            admissible = min(len(self.waiting), self.max_num_seqs - len(self.running))
+            if len(self.running) - prefilling > prefilling + admissible:
+                prompt_budget = min(budget, self.max_mixed_prefill_tokens)
 
         i = 0
         while i < len(self.running) and budget > 0:
