@@ -78,15 +78,13 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
             victim = rng.choice(list(sched.requests))
             sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
             aborted.add(victim)
-        prefilling = sum(r.num_tokens_with_pending - r.num_computed_tokens > 1 for r in sched.running)
-        waiting = min(len(sched.waiting), max_num_seqs - len(sched.running))
-        held = mixed and chunked and len(sched.running) - prefilling > prefilling + waiting
+        held = mixed and chunked and sched._holds_prompts_down()
         out = sched.schedule()
         assert out.total_tokens <= budget
         assert len(out.scheduled) <= max_num_seqs
         assert len(sched.running) <= max_num_seqs
         assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
-        if held:  # prompt tokens held down while decoding requests outnumber the prompts waiting
+        if held:
             assert sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1) <= mixed
         for s in out.scheduled:
             assert s.num_tokens >= 1
@@ -133,23 +131,23 @@ def test_decode_first_then_fcfs_and_mixed_step():
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 9
 
 
-def test_prompt_tokens_are_held_down_while_decoding_requests_outnumber_waiting_prompts():
+def test_prompt_tokens_are_held_down_while_requests_decode_unless_a_backlog_builds_up():
     pool = BlockPool(100, 4, 16, enable_prefix_caching=False)
     sched = Scheduler(pool, max_num_seqs=6, max_num_batched_tokens=12, max_model_len=64, enable_chunked_prefill=True,
                       max_mixed_prefill_tokens=3)
-    for r in (make_request("a1", 2, 9), make_request("a2", 2, 9), make_request("a3", 2, 9), make_request("b", 30, 5)):
+    assert sched.BOUND_STEPS * 3 == 24  # the backlog, in prompt tokens, up to which the bound holds
+    for r in (make_request("a1", 2, 9), make_request("a2", 2, 9), make_request("a3", 2, 9), make_request("b", 26, 5)):
         sched.add_request(r)
     out = sched.schedule()  # nothing decodes yet: the whole token budget
     assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a1", 2), ("a2", 2), ("a3", 2), ("b", 6)]
     sched.update_from_output(out, [7, 7, 7])
     sched.add_request(make_request("c", 2, 5))
-    out = sched.schedule()  # 3 decoding > b prefilling + c waiting: b's chunk and c share 3 prompt tokens
+    out = sched.schedule()  # decoding, backlog 20 (b) + 2 (c): b's chunk gets the 3 tokens, c waits
     assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [
         ("a1", 1), ("a2", 1), ("a3", 1), ("b", 3)]
     sched.update_from_output(out, [7, 7, 7])
-    for i in range(3):  # a queue builds up: 3 decoding, b prefilling + 2 admissible (6 seats) of 4 waiting
-        sched.add_request(make_request(f"d{i}", 2, 5))
-    out = sched.schedule()  # ... 3 is not more than 3: the bound lifts
+    sched.add_request(make_request("d", 10, 5))
+    out = sched.schedule()  # backlog 17 + 2 + 10 > 24: the bound lifts and the step fills up
     assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [
         ("a1", 1), ("a2", 1), ("a3", 1), ("b", 9)]
 

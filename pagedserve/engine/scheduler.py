@@ -1,9 +1,9 @@
 """The continuous-batching scheduler (vLLM V1 semantics).
 
 Each step has two budgets: at most ``max_num_seqs`` running requests and at most
-``max_num_batched_tokens`` tokens; while decoding requests outnumber the prompts waiting for a step,
-prompt tokens are held to ``max_mixed_prefill_tokens`` of them, so a new prompt lengthens the running
-requests' steps by a bounded amount (a queue that builds up lifts the bound). Running requests go first, in admission order (a decode takes 1
+``max_num_batched_tokens`` tokens; while requests decode and few prompt tokens wait, prompt tokens are held
+to ``max_mixed_prefill_tokens`` of them, so a new prompt lengthens the running requests' steps by a bounded
+amount (a burst of prompts lifts the bound and drains at full speed). Running requests go first, in admission order (a decode takes 1
 token, an unfinished prefill its next chunk); then waiting requests FCFS. Prefill and decode share the
 step. When a running request cannot get a block, the most recently admitted running request is
 preempted: its blocks are freed, it will be recomputed, and it goes back to the front of the queue.
@@ -64,6 +64,7 @@ class SchedulerStats:
 
 
 class Scheduler:
+    BOUND_STEPS = 8  # a prompt backlog the mixed-step bound clears within this many steps keeps the bound
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool, max_mixed_prefill_tokens: int = 0):
         self.pool = pool
@@ -114,13 +115,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.monotonic()
         prompt_budget = budget
-        if self.max_mixed_prefill_tokens:
-            # held down only while the decoding requests outnumber the prompts that wait for a step
-            # (prefilling, or admissible now): a queue that builds up lifts the bound and drains at full speed
-            prefilling = sum(r.num_tokens_with_pending - r.num_computed_tokens > 1 for r in self.running)
-            admissible = min(len(self.waiting), self.max_num_seqs - len(self.running))
-            if len(self.running) - prefilling > prefilling + admissible:
-                prompt_budget = min(budget, self.max_mixed_prefill_tokens)
+        if self.max_mixed_prefill_tokens and self._holds_prompts_down():
+            prompt_budget = min(budget, self.max_mixed_prefill_tokens)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -178,6 +174,23 @@ class Scheduler:
 
         assert out.total_tokens <= self.max_num_batched_tokens
         return out
+
+    def _holds_prompts_down(self) -> bool:
+        """Whether this step's prompt tokens are held to ``max_mixed_prefill_tokens``: while requests decode
+        and the prompt tokens that could start now (prefills under way, and the waiting requests there are
+        seats for) would go through within ``BOUND_STEPS`` steps under the bound. A larger backlog (a burst)
+        lifts it: then the waiting prompts' TTFT counts for more than the running streams' ITL."""
+        backlog, decoding = 0, False
+        for r in self.running:
+            left = r.num_tokens_with_pending - r.num_computed_tokens
+            if left > 1:
+                backlog += left
+            else:
+                decoding = True
+        seats = self.max_num_seqs - len(self.running)
+        for k in range(min(seats, len(self.waiting))):
+            backlog += self.waiting[k].num_tokens
+        return decoding and backlog <= self.BOUND_STEPS * self.max_mixed_prefill_tokens
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
         start = req.num_computed_tokens
