@@ -48,7 +48,7 @@ class Recording:
     def __init__(self):
         self.tokens: list[int] = []
 
-    def seconds(self, tokens, decode_context, prefill_work, kind):
+    def seconds(self, tokens, decode_context, prefill_work, prefill_keys, kind):
         self.tokens.append(tokens)
         return 1e-3 + 1e-6 * tokens
 
@@ -79,18 +79,19 @@ def test_open_loop_arrivals_follow_the_rate():
 
 def test_the_fit_recovers_a_known_model_and_reads_back():
     truth = CostModel(breakpoint=128, per_token=2e-5, per_context=3e-8, per_prefill_work=1.5e-12, fixed=3e-3,
-                      eager_floor=0.012, mixed_floor=0.02, single=4.2e-3)
+                      eager_floor=0.012, mixed_floor=0.02, single=4.2e-3, per_prefill_key=1e-6)
     samples = []
-    for kind, t, k, q in [("graph", b, b * c, 0) for b in (2, 4, 16, 64, 256) for c in (128, 1024, 8192)] + \
-                         [("single", 1, c, 0) for c in (128, 1024, 8192)] + \
-                         [("eager", t, 0, t * (t + o)) for t in (16, 256, 1024, 4096, 8192) for o in (0, 4096)] + \
-                         [("mixed", t + b, b * 1024, t * t) for b in (4, 64) for t in (256, 2048, 8192)]:
-        samples.append({"tokens": t, "decode_context": k, "prefill_work": q, "kind": kind,
-                        "seconds": truth.seconds(t, k, q, kind)})
+    for kind, t, k, q, n in [("graph", b, b * c, 0, 0) for b in (2, 4, 16, 64, 256) for c in (128, 1024, 8192)] + \
+            [("single", 1, c, 0, 0) for c in (128, 1024, 8192)] + \
+            [("graph", t, 0, t * (t + o), t + o) for t in (16, 64, 256) for o in (0, 2048, 6144)] + \
+            [("eager", t, 0, t * (t + o), t + o) for t in (1024, 4096, 8192) for o in (0, 4096)] + \
+            [("mixed", t + b, b * 1024, t * t, t) for b in (4, 64) for t in (2048, 8192)]:
+        samples.append({"tokens": t, "decode_context": k, "prefill_work": q, "prefill_keys": n, "kind": kind,
+                        "seconds": truth.seconds(t, k, q, n, kind)})
     cost, err = CostModel.fit(samples)
     assert err < 0.01
     for s in samples:
-        assert cost.seconds(s["tokens"], s["decode_context"], s["prefill_work"], s["kind"]) == \
+        assert cost.seconds(s["tokens"], s["decode_context"], s["prefill_work"], s["prefill_keys"], s["kind"]) == \
             pytest.approx(s["seconds"], rel=0.03)
     with pytest.raises(ConfigError, match="at least five"):
         CostModel.fit(samples[:3])
@@ -118,7 +119,7 @@ def test_synthetic_steps_put_each_token_in_its_own_block_slot():
     for pos, slot, row in zip(inp.positions, inp.slots, [0, 1] + [2] * 24):
         assert slot == tables[row, pos // 16] * 16 + pos % 16
     assert inp.sample_rows.tolist() == [0, 1, 25]
-    assert step_features(inp) == (26, 57, 24 * 24) and step_kind(inp, (256, 0)) == "mixed" and step_kind(inp, (256, 32)) == "graph"
+    assert step_features(inp) == (26, 57, 24 * 24, 24) and step_kind(inp, (256, 0)) == "mixed" and step_kind(inp, (256, 32)) == "graph"
 
 
 def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):

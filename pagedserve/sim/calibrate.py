@@ -110,9 +110,10 @@ def calibrate(args, log=print) -> Calibration:
         samples, caps = [], graph_caps(config)
         for k, shape in enumerate(shapes):
             inp = synthetic_step(shape, config.block_size, worker.budget.num_blocks, config.model.vocab_size, rng)
-            t, ctx, work = step_features(inp)
+            t, ctx, work, keys = step_features(inp)
             seconds = time_step(worker, inp)
-            samples.append({"tokens": t, "decode_context": ctx, "prefill_work": work, "seqs": len(shape),
+            samples.append({"tokens": t, "decode_context": ctx, "prefill_work": work, "prefill_keys": keys,
+                            "seqs": len(shape),
                             "kind": step_kind(inp, caps), "seconds": seconds})
             log(f"[{k + 1}/{len(shapes)}] {len(shape)} seqs, {t} tokens, {ctx} decode context: {1e3 * seconds:.3f} ms")
         cost, err = CostModel.fit(samples)

@@ -1,6 +1,6 @@
 """What a step costs on one GPU, from what the step holds: a model fitted to steps measured there.
 
-    device seconds = e + b * max(T*, T) + c * K + d * Q
+    device seconds = e + b * max(T*, T) + c * K + d * Q + f * L
     step seconds   = device seconds for a CUDA-graph replay, max(H, device seconds) for an eager step,
                      max(M, device seconds) for an eager step that mixes decodes and prompt chunks,
                      S + c * K for one sequence's decode
@@ -8,7 +8,9 @@
 T: tokens in the step (prompt and decode). The projections read every weight once whatever T is, and
 compute 2 x params FLOPs a token: below T* tokens reading the weights is the cost, above it computing is
 (a roofline), hence b * max(T*, T). K: context tokens the decodes' attention reads (their K/V bytes).
-Q: for prompt chunks, query tokens x positions attended (prefill attention grows with both). e: what
+Q: for prompt chunks, query tokens x positions attended (prefill attention grows with both). L: for prompt
+chunks, the positions attended: a short chunk over a long context is a few programs each walking every
+key in turn, so its time follows the context, not the work. e: what
 every step pays (sampling, the copy of the tokens back). H: an eager step (a decode batch without a graph, or
 more prompt tokens than the largest prompt graph) cannot end before the host has launched its kernels one
 by one; M: the same for a mixed step, which launches both attention paths in every layer. S: one sequence decodes on the one-row
@@ -29,14 +31,14 @@ from pagedserve.errors import ConfigError
 from pagedserve.model.runner import decode_graph_sizes, prompt_graph_sizes
 from pagedserve.model.step import StepInputs
 
-FEATURES = ("tokens", "decode_context", "prefill_work")
+FEATURES = ("tokens", "decode_context", "prefill_work", "prefill_keys")
 
 
-def step_features(inp: StepInputs) -> tuple[int, int, int]:
-    """(T, K, Q) of one step."""
+def step_features(inp: StepInputs) -> tuple[int, int, int, int]:
+    """(T, K, Q, L) of one step."""
     q, s = inp.query_lens, inp.seq_lens
     decode = q == 1
-    return int(q.sum()), int(s[decode].sum()), int((q[~decode] * s[~decode]).sum())
+    return int(q.sum()), int(s[decode].sum()), int((q[~decode] * s[~decode]).sum()), int(s[~decode].sum())
 
 
 def graph_caps(config) -> tuple[int, int]:
@@ -71,22 +73,23 @@ class CostModel:
     eager_floor: float       # H: seconds an eager step takes at least (the host launching its kernels)
     mixed_floor: float       # M: the same for a step that mixes decodes and prompt chunks
     single: float            # S: seconds of one sequence's decode step before its context
+    per_prefill_key: float = 0.0  # f: seconds a position a prompt chunk attends (its keys' serial walk)
 
-    def device_seconds(self, tokens: int, decode_context: int, prefill_work: int) -> float:
+    def device_seconds(self, tokens: int, decode_context: int, prefill_work: int, prefill_keys: int) -> float:
         return (self.fixed + self.per_token * max(self.breakpoint, tokens) + self.per_context * decode_context
-                + self.per_prefill_work * prefill_work)
+                + self.per_prefill_work * prefill_work + self.per_prefill_key * prefill_keys)
 
-    def seconds(self, tokens: int, decode_context: int, prefill_work: int, kind: str) -> float:
+    def seconds(self, tokens: int, decode_context: int, prefill_work: int, prefill_keys: int, kind: str) -> float:
         if kind == "single":
             return self.single + self.per_context * decode_context
-        device = self.device_seconds(tokens, decode_context, prefill_work)
+        device = self.device_seconds(tokens, decode_context, prefill_work, prefill_keys)
         return device if kind == "graph" else max(self.mixed_floor if kind == "mixed" else self.eager_floor, device)
 
     @classmethod
     def fit(cls, samples: list[dict]) -> tuple["CostModel", float]:
         """Least squares on relative error over a scan of the breakpoint and the two floors; returns the
         model and its mean absolute percentage error on ``samples`` ({"tokens", "decode_context",
-        "prefill_work", "kind", "seconds"}). For each pair of floors, the device terms are fitted to the
+        "prefill_work", "prefill_keys", "kind", "seconds"}). For each pair of floors, the device terms are fitted to the
         steps they do not hold up (graph replays, and eager steps measured above their floor); S is then the
         median of the single decodes' time less their context's."""
         if len(samples) < 5:
@@ -100,7 +103,7 @@ class CostModel:
             return np.concatenate([[0.0], np.unique(y[mask & (y <= np.median(y[mask]))])]) if mask.any() else np.zeros(1)
 
         bps = np.unique(np.concatenate([[1.0], np.geomspace(1, max(2.0, x[:, 0].max()), 64)]))
-        a_all = [np.column_stack([np.maximum(bp, x[:, 0]), x[:, 1], x[:, 2], np.ones(len(y))]) for bp in bps]
+        a_all = [np.column_stack([np.maximum(bp, x[:, 0]), x[:, 1], x[:, 2], x[:, 3], np.ones(len(y))]) for bp in bps]
         best = None
         for h in candidates(eager):
             for m in candidates(mixed):
@@ -114,8 +117,8 @@ class CostModel:
                     err = float(np.mean(np.abs(pred - y) / y))
                     if best is None or err < best[0]:
                         best = (err, h, m, one, bp, coef)
-        err, h, m, one, bp, (b, c, d, e) = best
-        return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m), one), err
+        err, h, m, one, bp, (b, c, d, f, e) = best
+        return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m), one, float(f)), err
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -163,7 +166,8 @@ class Calibration:
         return (f"{self.model} ({self.dtype}, KV {self.kv_cache_dtype}) on {self.gpu}, measured {self.date}"
                 f"{f' at {self.commit}' if self.commit else ''}: a step's device time is {1e3 * c.fixed:.3f} ms + "
                 f"{1e6 * c.per_token:.2f} us x max({c.breakpoint:.0f}, tokens) + {1e9 * c.per_context:.2f} ns a "
-                f"context token decoded + {1e12 * c.per_prefill_work:.3f} ps a prompt token x position; an eager "
+                f"context token decoded + {1e12 * c.per_prefill_work:.3f} ps a prompt token x position + "
+                f"{1e9 * c.per_prefill_key:.1f} ns a position a prompt chunk attends; an eager "
                 f"step takes at least {1e3 * c.eager_floor:.2f} ms, a mixed one {1e3 * c.mixed_floor:.2f} ms; one "
                 f"sequence's decode {1e3 * c.single:.3f} ms + its context (fit error {100 * self.mape:.1f} %)")
 
