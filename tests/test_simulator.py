@@ -52,6 +52,9 @@ class Recording:
         self.tokens.append(tokens)
         return 1e-3 + 1e-6 * tokens
 
+    def host_seconds(self, seqs):
+        return 0.0
+
 
 def test_ten_thousand_requests_keep_the_limits_finish_and_leak_nothing():
     # a cache of 160 blocks (2,560 tokens) for 48 running requests of up to 100 tokens: preemption is certain
@@ -125,11 +128,30 @@ def test_synthetic_steps_put_each_token_in_its_own_block_slot():
 def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):
     monkeypatch.setattr(calibrate_mod, "_WARMUPS", 0)
     monkeypatch.setattr(calibrate_mod, "_REPEATS", 1)
+    monkeypatch.setattr(calibrate_mod, "_HOST_LEVELS", (1, 8))
     cal = calibrate(EngineArgs(model="tiny", kv_cache_memory="64MiB", max_model_len=1024, max_num_seqs=16,
                                max_num_batched_tokens=512), log=lambda _: None)
     assert cal.gpu == "cpu" and cal.model == "tiny" and len(cal.samples) >= 10
     assert {s["kind"] for s in cal.samples} <= {"eager", "mixed"}  # no graphs on CPU
     assert all(s["seconds"] > 0 for s in cal.samples) and math.isfinite(cal.mape)
+    # the server's host work, timed through a real server and bench serve at 1 and 8 in flight
+    one, eight = cal.host_samples
+    assert 0.9 <= one["seqs"] <= 1.0 < eight["seqs"] <= 8 and 0 < one["seconds"] < eight["seconds"]
+    host = cal.cost
+    assert host.host_seconds(1) == pytest.approx(one["seconds"], rel=0.05)
+    assert host.host_seconds(eight["seqs"]) == pytest.approx(eight["seconds"], rel=0.05)
+    assert "the server's host work a step" in cal.describe()
+
+
+def test_a_step_lasts_the_longer_of_the_device_and_the_host():
+    # the device takes 10 ms a step; the host 2 ms + 3 ms a request: one request's steps take 10 ms, four
+    # requests' 14 ms
+    config, budget = engine()
+    slow_host = dataclasses.replace(FLAT, host_fixed=2e-3, host_per_seq=3e-3)
+    one = simulate_load(config, budget, slow_host, [SampleRequest(list(range(16)), 16, 5)])
+    assert one["mean_itl_ms"] == pytest.approx(10.0)
+    four = simulate_load(config, budget, slow_host, [SampleRequest(list(range(16)), 16, 5)] * 4)
+    assert four["mean_itl_ms"] == pytest.approx(14.0) and four["mean_ttft_ms"] == pytest.approx(14.0)
 
 
 def tiny_calibration(tmp_path) -> str:

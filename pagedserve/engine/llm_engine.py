@@ -14,10 +14,12 @@ class EngineBase:
     """An engine core with its tokenizer and frontend processors: what the offline and the server
     engines both hold."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, worker=None):
+        """``worker``: what runs the steps (default: the model on the configured device; the simulator's
+        calibration passes one that prices steps instead)."""
         self.config = config
         self.tokenizer = load_tokenizer(config)
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, worker=worker)
         self.inputs = InputProcessor(config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
 

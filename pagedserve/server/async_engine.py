@@ -59,8 +59,8 @@ _STOP = object()
 
 
 class AsyncEngine(EngineBase):
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, worker=None):
+        super().__init__(config, worker)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
         # prompt tokens of admitted requests that have no output yet (waiting or prefilling)

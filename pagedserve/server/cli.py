@@ -118,8 +118,9 @@ def load_chat_template(value: str | None) -> str | None:
     return text
 
 
-def build_server(ns: argparse.Namespace):
-    """The engine, the app and a configured uvicorn server (not yet running)."""
+def build_server(ns: argparse.Namespace, worker=None):
+    """The engine, the app and a configured uvicorn server (not yet running); ``worker`` as for
+    ``EngineBase``."""
     from pagedserve.args import engine_args_from
     from pagedserve.errors import ConfigError
     from pagedserve.server.app import build_app
@@ -146,7 +147,7 @@ def build_server(ns: argparse.Namespace):
 
         check_against_engine(profiles, config)  # before the model loads: a bad file fails in a second
     chat_template = load_chat_template(ns.chat_template)
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config, worker)
     engine.inputs.chat_template = chat_template
     settings = ServerSettings(served_model_names=ns.served_model_name or [ns.model], api_key=ns.api_key,
                               max_num_queued_reqs=ns.max_num_queued_reqs,

@@ -4,6 +4,10 @@ The steps are built directly as ``StepInputs`` (no scheduler), so the grid cover
 for in a minute or two: decode batches at several context lengths, prompt chunks at several offsets, and
 the two mixed. Each is run through the engine's own worker (CUDA graphs, attention kernels, sampler) and
 timed from launch to the sampled tokens on the host; the median of a few runs is kept.
+
+Then the server's own work a step: a real server (uvicorn on loopback, the engine's scheduler, output
+processing and streaming) over a worker whose steps take no time, driven by ``bench serve`` in its own
+process at a few concurrencies; each step then lasts what the host spends on it.
 """
 
 from __future__ import annotations
@@ -12,9 +16,14 @@ import argparse
 import datetime
 import math
 import os
+import json
 import statistics
 import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +36,7 @@ from pagedserve.model.step import SamplingInputs, StepInputs
 from pagedserve.sim.cost import Calibration, CostModel, graph_caps, step_kind, step_features
 
 _WARMUPS, _REPEATS = 2, 5
+_HOST_LEVELS = (1, 4, 16, 64, 256)  # requests in flight at which the server's host work is timed
 
 
 def synthetic_step(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, vocab: int,
@@ -98,6 +108,52 @@ def git_commit() -> str | None:
         return None
 
 
+def measure_host(args, budget, log=print) -> list[dict]:
+    """{"seqs", "seconds"}: the mean host time a step with that many requests, on this machine's CPU."""
+    from pagedserve.args import Parser, engine_flags
+    from pagedserve.bench.launch import free_port
+    from pagedserve.server.cli import add_serve_parser, build_server
+    from pagedserve.sim.executor import SimulatedWorker
+
+    config = args.create_config(serving=True)
+    free = CostModel(breakpoint=1, per_token=0, per_context=0, per_prefill_work=0, fixed=0, eager_floor=0,
+                     mixed_floor=0, single=0)
+    port = free_port()
+    parser = Parser()
+    add_serve_parser(parser.add_subparsers())
+    ns = parser.parse_args(["serve", args.model, *engine_flags(args), "--port", str(port), "--disable-log-stats",
+                            "--uvicorn-log-level", "warning"])
+    server = build_server(ns, worker=SimulatedWorker(config, budget, free))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server for timing the host did not start")
+        time.sleep(0.05)
+    counters = server.config.app.state.engine.core.counters
+    # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
+    out_len, in_len = min(512, config.max_model_len // 2), min(64, config.max_model_len // 4)
+    samples = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for c in [n for n in _HOST_LEVELS if n <= config.max_num_seqs]:
+                steps, tokens = counters.num_steps, counters.generation_tokens
+                subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url",
+                                f"http://127.0.0.1:{port}", "--random-input-len", str(in_len), "--random-output-len",
+                                str(out_len), "--num-prompts", str(max(8, 2 * c)), "--max-concurrency", str(c),
+                                "--num-warmups", "0", "--disable-tqdm", "--result-dir", tmp, "--result-filename",
+                                "host.json"], check=True, stdout=subprocess.DEVNULL)
+                duration = json.loads((Path(tmp) / "host.json").read_text())["duration"]
+                steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
+                samples.append({"seqs": tokens / steps, "seconds": duration / steps})
+                log(f"host, {c} in flight: {tokens / steps:.1f} requests a step, {1e3 * duration / steps:.3f} ms a step")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+    return samples
+
+
 def calibrate(args, log=print) -> Calibration:
     """Start the engine's worker for ``args`` (``EngineArgs``), time the grid and fit the cost model."""
     from pagedserve.model.worker import Worker
@@ -107,14 +163,13 @@ def calibrate(args, log=print) -> Calibration:
     try:
         rng = np.random.default_rng(0)
         shapes = step_grid(config, worker.budget.num_blocks)
-        samples, caps = [], graph_caps(config)
+        samples, caps, budget = [], graph_caps(config), worker.budget
         for k, shape in enumerate(shapes):
             inp = synthetic_step(shape, config.block_size, worker.budget.num_blocks, config.model.vocab_size, rng)
             t, ctx, work, keys = step_features(inp)
             seconds = time_step(worker, inp)
             samples.append({"tokens": t, "decode_context": ctx, "prefill_work": work, "prefill_keys": keys,
-                            "seqs": len(shape),
-                            "kind": step_kind(inp, caps), "seconds": seconds})
+                            "seqs": len(shape), "kind": step_kind(inp, caps), "seconds": seconds})
             log(f"[{k + 1}/{len(shapes)}] {len(shape)} seqs, {t} tokens, {ctx} decode context: {1e3 * seconds:.3f} ms")
         cost, err = CostModel.fit(samples)
         if config.device.type == "cuda":
@@ -124,10 +179,12 @@ def calibrate(args, log=print) -> Calibration:
             gpu, total = "cpu", 0
     finally:
         worker.shutdown()
+    host = measure_host(args, budget, log)
     return Calibration(model=args.model, dtype=dtype_name(config.dtype),
                        kv_cache_dtype=dtype_name(config.kv_dtype), gpu=gpu, gpu_memory_bytes=total,
-                       engine_args={k: v for k, v in vars(args).items() if v is not None}, cost=cost, mape=err,
-                       samples=samples, date=datetime.date.today().isoformat(), commit=git_commit(),
+                       engine_args={k: v for k, v in vars(args).items() if v is not None},
+                       cost=cost.with_host(host), mape=err, samples=samples, host_samples=host,
+                       date=datetime.date.today().isoformat(), commit=git_commit(),
                        pagedserve_version=pagedserve.__version__)
 
 

@@ -3,23 +3,28 @@
     device seconds = e + b * max(T*, T) + c * K + d * Q + f * L
     step seconds   = device seconds for a CUDA-graph replay, max(H, device seconds) for an eager step,
                      max(M, device seconds) for an eager step that mixes decodes and prompt chunks,
-                     S + c * K for one sequence's decode
+                     S + c * K for one sequence's decode; and never less than the server's host work,
+                     g + h * R, which overlaps the device's
 
 T: tokens in the step (prompt and decode). The projections read every weight once whatever T is, and
 compute 2 x params FLOPs a token: below T* tokens reading the weights is the cost, above it computing is
 (a roofline), hence b * max(T*, T). K: context tokens the decodes' attention reads (their K/V bytes).
-Q: for prompt chunks, query tokens x positions attended (prefill attention grows with both). L: for prompt
-chunks, the positions attended: a short chunk over a long context is a few programs each walking every
-key in turn, so its time follows the context, not the work. e: what
-every step pays (sampling, the copy of the tokens back). H: an eager step (a decode batch without a graph, or
-more prompt tokens than the largest prompt graph) cannot end before the host has launched its kernels one
-by one; M: the same for a mixed step, which launches both attention paths in every layer. S: one sequence decodes on the one-row
-GEMV path, its own weights' read. Fitted by least squares on relative error over a scan of T*, H and M;
-each coefficient keeps a physical meaning, so a calibration can be read and checked.
+Q: for prompt chunks, query tokens x positions attended (prefill attention grows with both). L: for
+prompt chunks, the positions attended: a short chunk over a long context is a few programs each walking
+every key in turn, so its time follows the context, not the work. e: what every step pays (sampling, the
+copy of the tokens back). H: an eager step (a decode batch without a graph, or more prompt tokens than
+the largest prompt graph) cannot end before the host has launched its kernels one by one; M: the same
+for a mixed step, which launches both attention paths in every layer. S: one sequence decodes on the
+one-row GEMV path, its own weights' read. R: requests in the step; g and h: the server's scheduling,
+output processing and streaming, which run while the device computes and bound the step when they take
+longer (small models). Fitted by least squares on relative error over a scan of T*, H and M (g and h on
+their own measurements); each coefficient keeps a physical meaning, so a calibration can be read and
+checked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -74,6 +79,11 @@ class CostModel:
     mixed_floor: float       # M: the same for a step that mixes decodes and prompt chunks
     single: float            # S: seconds of one sequence's decode step before its context
     per_prefill_key: float = 0.0  # f: seconds a position a prompt chunk attends (its keys' serial walk)
+    host_fixed: float = 0.0       # the server's own work a step (scheduling, inputs, outputs, streaming) ...
+    host_per_seq: float = 0.0     # ... and a request in the step: a step takes at least this host time
+
+    def host_seconds(self, seqs: int) -> float:
+        return self.host_fixed + self.host_per_seq * seqs
 
     def device_seconds(self, tokens: int, decode_context: int, prefill_work: int, prefill_keys: int) -> float:
         return (self.fixed + self.per_token * max(self.breakpoint, tokens) + self.per_context * decode_context
@@ -120,6 +130,13 @@ class CostModel:
         err, h, m, one, bp, (b, c, d, f, e) = best
         return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m), one, float(f)), err
 
+    def with_host(self, samples: list[dict]) -> "CostModel":
+        """This model with the host terms fitted (least squares, non-negative) to ``samples`` ({"seqs",
+        "seconds"}: the mean host time a step at that many requests a step)."""
+        a = np.array([[1.0, s["seqs"]] for s in samples])
+        fixed, per_seq = _nonnegative_lstsq(a, np.array([s["seconds"] for s in samples]))
+        return dataclasses.replace(self, host_fixed=float(fixed), host_per_seq=float(per_seq))
+
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: a coefficient the fit wants negative is dropped and the
@@ -147,6 +164,7 @@ class Calibration:
     cost: CostModel
     mape: float                   # the fit's mean absolute percentage error on its own samples
     samples: list[dict] = field(default_factory=list)
+    host_samples: list[dict] = field(default_factory=list)  # the server's host time a step, by requests
     date: str = ""
     commit: str | None = None
     pagedserve_version: str = ""
@@ -169,7 +187,9 @@ class Calibration:
                 f"context token decoded + {1e12 * c.per_prefill_work:.3f} ps a prompt token x position + "
                 f"{1e9 * c.per_prefill_key:.1f} ns a position a prompt chunk attends; an eager "
                 f"step takes at least {1e3 * c.eager_floor:.2f} ms, a mixed one {1e3 * c.mixed_floor:.2f} ms; one "
-                f"sequence's decode {1e3 * c.single:.3f} ms + its context (fit error {100 * self.mape:.1f} %)")
+                f"sequence's decode {1e3 * c.single:.3f} ms + its context (fit error {100 * self.mape:.1f} %)"
+                + (f"; the server's host work a step {1e3 * c.host_fixed:.3f} ms + {1e3 * c.host_per_seq:.4f} ms a "
+                   f"request in it" if self.host_samples else "; the server's host work not measured"))
 
 
 def shipped() -> dict[str, Path]:

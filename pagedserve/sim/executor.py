@@ -27,7 +27,9 @@ class SimulatedWorker:
         self._memory = budget.weights + budget.activation_peak + budget.non_torch + budget.kv_cache_bytes
 
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> _Samples | None:
-        self.launched.append(self.cost.seconds(*step_features(inp), step_kind(inp, self.caps)))
+        # the host's work for a step overlaps the device's (one step in flight): the longer of the two counts
+        device = self.cost.seconds(*step_features(inp), step_kind(inp, self.caps))
+        self.launched.append(max(device, self.cost.host_seconds(len(inp.query_lens))))
         return _Samples(len(inp.sample_rows)) if len(inp.sample_rows) else None
 
     def device_memory(self) -> tuple[int, int]:
