@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 
@@ -23,24 +22,14 @@ def free_port() -> int:
 def running_server(*flags: str, model: str = "tiny"):
     """Yield (base_url, app) for a server built exactly as `pagedserve serve` builds it."""
     from pagedserve.cli import build_parser
-    from pagedserve.server.cli import build_server
+    from pagedserve.server.cli import build_server, serving_in_thread
 
     port = free_port()
     ns = build_parser().parse_args(["serve", model, "--port", str(port), "--log-level", "warning", *flags])
     server = build_server(ns)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("server did not start")
-        time.sleep(0.05)
     server.config.app.state.uvicorn = server  # tests that stop it or read its exit code reach it here
-    try:
+    with serving_in_thread(server, start_timeout=60):
         yield f"http://127.0.0.1:{port}", server.config.app
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
 
 
 @contextmanager

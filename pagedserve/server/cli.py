@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 import uvicorn
 
@@ -167,6 +168,24 @@ def build_server(ns: argparse.Namespace, worker=None):
 
     engine.on_dead = engine_died
     return server
+
+
+@contextlib.contextmanager
+def serving_in_thread(server: Server, start_timeout: float = 120.0):
+    """Run a built server in a thread of this process, from when it accepts connections until the block
+    ends (for callers that drive it from outside: the tests, calibrate's timing of the host)."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:

@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -112,7 +111,7 @@ def measure_host(args, budget, log=print) -> list[dict]:
     """{"seqs", "seconds"}: the mean host time a step with that many requests, on this machine's CPU."""
     from pagedserve.args import Parser, engine_flags
     from pagedserve.bench.launch import free_port
-    from pagedserve.server.cli import add_serve_parser, build_server
+    from pagedserve.server.cli import add_serve_parser, build_server, serving_in_thread
     from pagedserve.sim.executor import SimulatedWorker
 
     config = args.create_config(serving=True)
@@ -124,33 +123,22 @@ def measure_host(args, budget, log=print) -> list[dict]:
     ns = parser.parse_args(["serve", args.model, *engine_flags(args), "--port", str(port), "--disable-log-stats",
                             "--uvicorn-log-level", "warning"])
     server = build_server(ns, worker=SimulatedWorker(config, budget, free))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server for timing the host did not start")
-        time.sleep(0.05)
     counters = server.config.app.state.engine.core.counters
     # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
     out_len, in_len = min(512, config.max_model_len // 2), min(64, config.max_model_len // 4)
     samples = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for c in [n for n in _HOST_LEVELS if n <= config.max_num_seqs]:
-                steps, tokens = counters.num_steps, counters.generation_tokens
-                subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url",
-                                f"http://127.0.0.1:{port}", "--random-input-len", str(in_len), "--random-output-len",
-                                str(out_len), "--num-prompts", str(max(8, 2 * c)), "--max-concurrency", str(c),
-                                "--num-warmups", "0", "--disable-tqdm", "--result-dir", tmp, "--result-filename",
-                                "host.json"], check=True, stdout=subprocess.DEVNULL)
-                duration = json.loads((Path(tmp) / "host.json").read_text())["duration"]
-                steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
-                samples.append({"seqs": tokens / steps, "seconds": duration / steps})
-                log(f"host, {c} in flight: {tokens / steps:.1f} requests a step, {1e3 * duration / steps:.3f} ms a step")
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    with serving_in_thread(server), tempfile.TemporaryDirectory() as tmp:
+        for c in [n for n in _HOST_LEVELS if n <= config.max_num_seqs]:
+            steps, tokens = counters.num_steps, counters.generation_tokens
+            subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url",
+                            f"http://127.0.0.1:{port}", "--random-input-len", str(in_len), "--random-output-len",
+                            str(out_len), "--num-prompts", str(max(8, 2 * c)), "--max-concurrency", str(c),
+                            "--num-warmups", "0", "--disable-tqdm", "--result-dir", tmp, "--result-filename",
+                            "host.json"], check=True, stdout=subprocess.DEVNULL)
+            duration = json.loads((Path(tmp) / "host.json").read_text())["duration"]
+            steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
+            samples.append({"seqs": tokens / steps, "seconds": duration / steps})
+            log(f"host, {c} in flight: {tokens / steps:.1f} requests a step, {1e3 * duration / steps:.3f} ms a step")
     return samples
 
 
