@@ -1,12 +1,13 @@
 """The continuous-batching scheduler (vLLM V1 semantics).
 
 Each step has two budgets: at most ``max_num_seqs`` running requests and at most
-``max_num_batched_tokens`` tokens; while requests decode and few prompt tokens wait, prompt tokens are held
-to ``max_mixed_prefill_tokens`` of them, so a new prompt lengthens the running requests' steps by a bounded
-amount (a burst of prompts lifts the bound and drains at full speed). Running requests go first, in admission order (a decode takes 1
-token, an unfinished prefill its next chunk); then waiting requests FCFS. Prefill and decode share the
-step. When a running request cannot get a block, the most recently admitted running request is
-preempted: its blocks are freed, it will be recomputed, and it goes back to the front of the queue.
+``max_num_batched_tokens`` tokens; while requests decode and few prompt tokens wait, prompt tokens are
+held to ``max_mixed_prefill_tokens`` of them, so a new prompt lengthens the running requests' steps by a
+bounded amount (a burst of prompts lifts the bound and drains at full speed). Running requests go first,
+in admission order (a decode takes 1 token, an unfinished prefill its next chunk); then waiting requests
+FCFS. Prefill and decode share the step. When a running request cannot get a block, the most recently
+admitted running request is preempted: its blocks are freed, it will be recomputed, and it goes back to
+the front of the queue.
 
 The engine schedules step N+1 while step N runs (so the host's work hides behind the device's): a
 request's token from step N is then pending. It is scheduled as the next decode input all the same
@@ -65,6 +66,7 @@ class SchedulerStats:
 
 class Scheduler:
     BOUND_STEPS = 8  # a prompt backlog the mixed-step bound clears within this many steps keeps the bound
+
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool, max_mixed_prefill_tokens: int = 0):
         self.pool = pool
