@@ -97,11 +97,13 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
                       "(--max-num-queued-reqs) if ITL must stay low")
             why = "requests queue at the sequence cap while memory is free"
         elif waiting_peak > 0:
-            change = "raise --max-num-batched-tokens: requests wait for the step's token budget, not for memory"
+            change = ("raise --max-num-batched-tokens, or --max-mixed-prefill-tokens (0: no bound) if prompts wait "
+                      "beside decoding requests: requests wait for the step's token budget, not for memory")
             why = "requests wait below the sequence cap: the token budget is the bound"
         else:
-            change = ("lower --max-num-batched-tokens to protect decode ITL from long prefills, then check the "
-                      "host: a slow scheduler step shows as ITL rising with no queue")
+            change = ("lower --max-mixed-prefill-tokens (prompt tokens a step takes beside decodes) or "
+                      "--max-num-batched-tokens to protect decode ITL from long prefills, then check the host: a "
+                      "slow scheduler step shows as ITL rising with no queue")
             why = "latency rises with no queue and memory free: batch token budget or CPU scheduling"
         return Diagnosis(3, f"latency rising with memory not full ({why})", change, evidence)
     return Diagnosis(None, "Healthy: no preemptions, KV cache below 90 %, no queue, latency flat",

@@ -179,7 +179,8 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
     add("3. **Memory not full but latency rising** (batch token budget, CPU scheduling or queueing). Look first at "
         "`vllm:num_requests_waiting` and the p95 TTFT/ITL: `pagedserve diagnose --url $URL` names which. Requests "
         "queueing at the sequence cap mean the server is past its knee (shed load, add replicas); ITL rising with "
-        "no queue means prefills share steps with decodes (lower --max-num-batched-tokens) or the host is the "
+        "no queue means prefills share steps with decodes (lower --max-mixed-prefill-tokens, the prompt tokens a "
+        "step takes beside decodes, or --max-num-batched-tokens) or the host is the "
         "bottleneck.")
     add("")
     add("## Files")
