@@ -45,6 +45,8 @@ def test_one_request_on_a_flat_cost_is_hand_checkable():
 class Recording:
     """A cost that records every step's tokens (to check the limits) and charges by tokens."""
 
+    request_latency = 0.0
+
     def __init__(self):
         self.tokens: list[int] = []
 
@@ -140,7 +142,19 @@ def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):
     host = cal.cost
     assert host.host_seconds(1) == pytest.approx(one["seconds"], rel=0.05)
     assert host.host_seconds(eight["seqs"]) == pytest.approx(eight["seconds"], rel=0.05)
-    assert "the server's host work a step" in cal.describe()
+    assert "the server's host work a step" in cal.describe() and "a request's way in" in cal.describe()
+    # the way in: TTFT at one request in flight over the free worker, less the simulated steps' share
+    assert 0 < host.request_latency < one["median_ttft"]
+
+
+def test_a_request_reaches_the_engine_its_way_in_after_it_is_sent():
+    # 5 ms on the way in, then 10 ms steps: TTFT 15 ms, E2EL 35 ms; one at a time, the second is sent when
+    # the first ends
+    config, budget = engine()
+    slow_in = dataclasses.replace(FLAT, request_latency=5e-3)
+    r = simulate_load(config, budget, slow_in, [SampleRequest(list(range(16)), 16, 3)] * 2, max_concurrency=1)
+    assert r["mean_ttft_ms"] == pytest.approx(15.0) and r["mean_itl_ms"] == pytest.approx(10.0)
+    assert r["mean_e2el_ms"] == pytest.approx(35.0) and r["duration"] == pytest.approx(0.07)
 
 
 def test_a_step_lasts_the_longer_of_the_device_and_the_host():

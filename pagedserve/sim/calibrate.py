@@ -13,6 +13,7 @@ process at a few concurrencies; each step then lasts what the host spends on it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import os
@@ -36,6 +37,9 @@ from pagedserve.sim.cost import Calibration, CostModel, graph_caps, step_kind, s
 
 _WARMUPS, _REPEATS = 2, 5
 _HOST_LEVELS = (1, 4, 16, 64, 256)  # requests in flight at which the server's host work is timed
+# a worker whose steps take no time: the server around it then runs as fast as its host allows
+_FREE = CostModel(breakpoint=1, per_token=0, per_context=0, per_prefill_work=0, fixed=0, eager_floor=0,
+                  mixed_floor=0, single=0)
 
 
 def synthetic_step(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, vocab: int,
@@ -108,21 +112,20 @@ def git_commit() -> str | None:
 
 
 def measure_host(args, budget, log=print) -> list[dict]:
-    """{"seqs", "seconds"}: the mean host time a step with that many requests, on this machine's CPU."""
+    """At each level of requests in flight, on this machine's CPU: {"seqs", "seconds"} (the mean host time a
+    step with that many requests) and the run it came from (its shape and median TTFT)."""
     from pagedserve.args import Parser, engine_flags
     from pagedserve.bench.launch import free_port
     from pagedserve.server.cli import add_serve_parser, build_server, serving_in_thread
     from pagedserve.sim.executor import SimulatedWorker
 
     config = args.create_config(serving=True)
-    free = CostModel(breakpoint=1, per_token=0, per_context=0, per_prefill_work=0, fixed=0, eager_floor=0,
-                     mixed_floor=0, single=0)
     port = free_port()
     parser = Parser()
     add_serve_parser(parser.add_subparsers())
     ns = parser.parse_args(["serve", args.model, *engine_flags(args), "--port", str(port), "--disable-log-stats",
                             "--uvicorn-log-level", "warning"])
-    server = build_server(ns, worker=SimulatedWorker(config, budget, free))
+    server = build_server(ns, worker=SimulatedWorker(config, budget, _FREE))
     counters = server.config.app.state.engine.core.counters
     # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
     out_len, in_len = min(512, config.max_model_len // 2), min(64, config.max_model_len // 4)
@@ -130,16 +133,32 @@ def measure_host(args, budget, log=print) -> list[dict]:
     with serving_in_thread(server), tempfile.TemporaryDirectory() as tmp:
         for c in [n for n in _HOST_LEVELS if n <= config.max_num_seqs]:
             steps, tokens = counters.num_steps, counters.generation_tokens
+            prompts = max(8, 2 * c)
             subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url",
                             f"http://127.0.0.1:{port}", "--random-input-len", str(in_len), "--random-output-len",
-                            str(out_len), "--num-prompts", str(max(8, 2 * c)), "--max-concurrency", str(c),
+                            str(out_len), "--num-prompts", str(prompts), "--max-concurrency", str(c),
                             "--num-warmups", "0", "--disable-tqdm", "--result-dir", tmp, "--result-filename",
                             "host.json"], check=True, stdout=subprocess.DEVNULL)
-            duration = json.loads((Path(tmp) / "host.json").read_text())["duration"]
+            run = json.loads((Path(tmp) / "host.json").read_text())
             steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
-            samples.append({"seqs": tokens / steps, "seconds": duration / steps})
-            log(f"host, {c} in flight: {tokens / steps:.1f} requests a step, {1e3 * duration / steps:.3f} ms a step")
+            samples.append({"seqs": tokens / steps, "seconds": run["duration"] / steps, "in_flight": c,
+                            "input_len": in_len, "output_len": out_len, "prompts": prompts,
+                            "median_ttft": run["median_ttft_ms"] / 1e3})
+            log(f"host, {c} in flight: {tokens / steps:.1f} requests a step, {1e3 * run['duration'] / steps:.3f} ms "
+                f"a step")
     return samples
+
+
+def request_latency(config, budget, cost: CostModel, one: dict) -> float:
+    """What a request's way in adds to its TTFT: the median measured with one request in flight over the
+    free worker, less the simulator's for the same run on the host's terms alone."""
+    from pagedserve.bench.datasets import SampleRequest
+    from pagedserve.sim.load import simulate_load
+
+    host_only = dataclasses.replace(_FREE, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq)
+    sample = SampleRequest(list(range(one["input_len"])), one["input_len"], one["output_len"])
+    sim = simulate_load(config, budget, host_only, [sample] * one["prompts"], max_concurrency=one["in_flight"])
+    return one["median_ttft"] - sim["median_ttft_ms"] / 1e3
 
 
 def calibrate(args, log=print) -> Calibration:
@@ -168,10 +187,12 @@ def calibrate(args, log=print) -> Calibration:
     finally:
         worker.shutdown()
     host = measure_host(args, budget, log)
+    cost = cost.with_host(host)
+    cost = cost.with_request_latency(request_latency(args.create_config(serving=True), budget, cost, host[0]))
     return Calibration(model=args.model, dtype=dtype_name(config.dtype),
                        kv_cache_dtype=dtype_name(config.kv_dtype), gpu=gpu, gpu_memory_bytes=total,
                        engine_args={k: v for k, v in vars(args).items() if v is not None},
-                       cost=cost.with_host(host), mape=err, samples=samples, host_samples=host,
+                       cost=cost, mape=err, samples=samples, host_samples=host,
                        date=datetime.date.today().isoformat(), commit=git_commit(),
                        pagedserve_version=pagedserve.__version__)
 

@@ -17,9 +17,10 @@ the largest prompt graph) cannot end before the host has launched its kernels on
 for a mixed step, which launches both attention paths in every layer. S: one sequence decodes on the
 one-row GEMV path, its own weights' read. R: requests in the step; g and h: the server's scheduling,
 output processing and streaming, which run while the device computes and bound the step when they take
-longer (small models). Fitted by least squares on relative error over a scan of T*, H and M (g and h on
-their own measurements); each coefficient keeps a physical meaning, so a calibration can be read and
-checked.
+longer (small models). Apart from steps, a request reaches the engine a fixed time after it is sent (the
+HTTP request, tokenizing, admission). Fitted by least squares on relative error over a scan of T*, H and
+M (the host's terms on their own measurements); each coefficient keeps a physical meaning, so a
+calibration can be read and checked.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class CostModel:
     per_prefill_key: float = 0.0  # f: seconds a position a prompt chunk attends (its keys' serial walk)
     host_fixed: float = 0.0       # the server's own work a step (scheduling, inputs, outputs, streaming) ...
     host_per_seq: float = 0.0     # ... and a request in the step: a step takes at least this host time
+    request_latency: float = 0.0  # from a client sending a request to the engine taking it in (HTTP, tokenizing)
 
     def host_seconds(self, seqs: int) -> float:
         return self.host_fixed + self.host_per_seq * seqs
@@ -137,6 +139,9 @@ class CostModel:
         fixed, per_seq = _nonnegative_lstsq(a, np.array([s["seconds"] for s in samples]))
         return dataclasses.replace(self, host_fixed=float(fixed), host_per_seq=float(per_seq))
 
+    def with_request_latency(self, seconds: float) -> "CostModel":
+        return dataclasses.replace(self, request_latency=max(0.0, float(seconds)))
+
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: a coefficient the fit wants negative is dropped and the
@@ -189,7 +194,8 @@ class Calibration:
                 f"step takes at least {1e3 * c.eager_floor:.2f} ms, a mixed one {1e3 * c.mixed_floor:.2f} ms; one "
                 f"sequence's decode {1e3 * c.single:.3f} ms + its context (fit error {100 * self.mape:.1f} %)"
                 + (f"; the server's host work a step {1e3 * c.host_fixed:.3f} ms + {1e3 * c.host_per_seq:.4f} ms a "
-                   f"request in it" if self.host_samples else "; the server's host work not measured"))
+                   f"request in it, a request's way in {1e3 * c.request_latency:.2f} ms" if self.host_samples
+                   else "; the server's host work not measured"))
 
 
 def shipped() -> dict[str, Path]:

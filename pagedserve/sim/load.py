@@ -4,7 +4,8 @@ same metrics (``bench.metrics``), so a simulated rung reads like a measured one.
 
 The clock follows the engine's pipeline: a step launches at the host's time and starts when the device is
 free (the step before ends); ``core.step`` returns the tokens of the step launched before, at its end.
-Host work is taken to hide behind the device's, as the engine's one step in flight makes it do.
+A step lasts the longer of the device's time and the server's host work, which the engine's one step in
+flight overlaps; a request reaches the engine the calibration's request latency after the client sends it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
     results = [RequestResult(prompt_len=s.prompt_len) for s in samples]
     stamps: list[list[float]] = [[] for _ in samples]
     waiting: deque[int] = deque()     # arrived, waiting for a slot under the cap
+    entering: deque[tuple[float, int]] = deque()  # sent, on their way to the engine: (when it takes them in, i)
     in_flight: dict[str, int] = {}
     now, next_arrival, done = 0.0, 0, 0
     step_end: float | None = None     # when the step in flight ends
@@ -45,13 +47,19 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
             next_arrival += 1
         while waiting and (max_concurrency is None or len(in_flight) < max_concurrency):
             i = waiting.popleft()
-            s = samples[i]
-            params = SamplingParams(temperature=0.0, max_tokens=s.expected_output_len, ignore_eos=True)
-            core.add_request(Request(str(i), list(s.prompt), params, (), s.expected_output_len, arrival_time=now))
             results[i].start_time = now
             in_flight[str(i)] = i
-        if not core.has_unfinished:  # idle until the next arrival
-            now = float(arrivals[next_arrival])
+            entering.append((now + cost.request_latency, i))
+        while entering and entering[0][0] <= now:
+            t, i = entering.popleft()
+            s = samples[i]
+            params = SamplingParams(temperature=0.0, max_tokens=s.expected_output_len, ignore_eos=True)
+            core.add_request(Request(str(i), list(s.prompt), params, (), s.expected_output_len, arrival_time=t))
+        if not core.has_unfinished:  # idle until the next arrival, or the next request reaching the engine
+            upcoming = [entering[0][0]] if entering else []
+            if next_arrival < n:
+                upcoming.append(float(arrivals[next_arrival]))
+            now = min(upcoming)
             continue
         launched_at = now
         outputs = core.step()
