@@ -45,7 +45,7 @@ def table_rows(doc: dict, ladder: dict) -> list[list[str]]:
         rows.append([
             f"{r['load']:g}", f"{r['completed']}/{r['failed']}", f"{r['request_throughput']:.2f}",
             f"{r['output_throughput']:,.0f}", f"{r['total_token_throughput']:,.0f}", f"{r['p95_ttft_ms']:,.1f}",
-            f"{r['p95_itl_ms']:,.1f}", f"{r['p95_e2el_ms']:,.0f}",
+            f"{r['p95_itl_ms']:,.1f}", _na(r.get("p99_itl_ms"), lambda v: f"{v:,.1f}"), f"{r['p95_e2el_ms']:,.0f}",
             _na(r.get("server_preemptions"), lambda v: f"{v:.0f}"),
             _na(r.get("server_peak_kv_cache_usage"), lambda v: f"{100 * v:.1f}"),
             f"{_na(run, lambda v: f'{v:.0f}')}/{_na(wait, lambda v: f'{v:.0f}')}",
@@ -56,7 +56,7 @@ def table_rows(doc: dict, ladder: dict) -> list[list[str]]:
 
 def table_header(doc: dict) -> list[str]:
     return [doc["unit"], "ok/failed", "req/s", "out tok/s", "total tok/s", "p95 TTFT ms", "p95 ITL ms",
-            "p95 E2EL ms", "preemptions", "peak KV %", "peak run/wait", "peak mem GiB", "notes"]
+            "p99 ITL ms", "p95 E2EL ms", "preemptions", "peak KV %", "peak run/wait", "peak mem GiB", "notes"]
 
 
 def _describe_target(doc: dict) -> str:
@@ -110,8 +110,9 @@ def summary_markdown(doc: dict) -> str:
                          f"{_na(r, lambda r: format(r['p95_ttft_ms'], ',.1f'))} | "
                          f"{_na(r, lambda r: format(r['p95_itl_ms'], ',.1f'))} |")
         lines.append("")
-    lines += ["Columns: throughputs over each rung's whole run; latencies are p95 over its requests (ITL pooled "
-              "over streamed chunks, as vLLM bench); preemptions, peaks and memory are the server's, over the "
+    lines += ["Columns: throughputs over each rung's whole run; latencies are p95 (and ITL's p99, the stutter a "
+              "stream feels when a prompt shares its step) over its requests (ITL pooled over streamed chunks, as "
+              "vLLM bench); preemptions, peaks and memory are the server's, over the "
               "rung's window. Signals are explained in the README (Load sweep).", ""]
     return "\n".join(lines)
 
