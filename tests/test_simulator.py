@@ -143,8 +143,8 @@ def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):
     assert host.host_seconds(1) == pytest.approx(one["seconds"], rel=0.05)
     assert host.host_seconds(eight["seqs"]) == pytest.approx(eight["seconds"], rel=0.05)
     assert "the server's host work a step" in cal.describe() and "a request's way in" in cal.describe()
-    # the way in: TTFT at one request in flight over the free worker, less the simulated steps' share
-    assert 0 < host.request_latency < one["median_ttft"]
+    # the way in: TTFT of one request at a time over 2 ms steps, less the simulated run's
+    assert 0 < host.request_latency < 0.5
 
 
 def test_a_request_reaches_the_engine_its_way_in_after_it_is_sent():

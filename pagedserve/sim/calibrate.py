@@ -7,7 +7,8 @@ timed from launch to the sampled tokens on the host; the median of a few runs is
 
 Then the server's own work a step: a real server (uvicorn on loopback, the engine's scheduler, output
 processing and streaming) over a worker whose steps take no time, driven by ``bench serve`` in its own
-process at a few concurrencies; each step then lasts what the host spends on it.
+process at a few concurrencies; each step then lasts what the host spends on it. And a request's way in:
+the TTFT of one request at a time over steps of 2 ms, less what the simulator gives for that run.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _HOST_LEVELS = (1, 4, 16, 64, 256)  # requests in flight at which the server's h
 # a worker whose steps take no time: the server around it then runs as fast as its host allows
 _FREE = CostModel(breakpoint=1, per_token=0, per_context=0, per_prefill_work=0, fixed=0, eager_floor=0,
                   mixed_floor=0, single=0)
+_PACED = dataclasses.replace(_FREE, fixed=2e-3, single=2e-3)  # ... and one whose steps take 2 ms each
 
 
 def synthetic_step(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, vocab: int,
@@ -111,9 +113,10 @@ def git_commit() -> str | None:
         return None
 
 
-def measure_host(args, budget, log=print) -> list[dict]:
-    """At each level of requests in flight, on this machine's CPU: {"seqs", "seconds"} (the mean host time a
-    step with that many requests) and the run it came from (its shape and median TTFT)."""
+def bench_server(args, budget, cost: CostModel, levels, log=print) -> list[dict]:
+    """A real server for ``args`` over a paced worker priced by ``cost``, driven by ``bench serve`` (its own
+    process) at each level of requests in flight: the runs' shapes, their mean time a step and requests a
+    step, and their median TTFT."""
     from pagedserve.args import Parser, engine_flags
     from pagedserve.bench.launch import free_port
     from pagedserve.server.cli import add_serve_parser, build_server, serving_in_thread
@@ -125,13 +128,13 @@ def measure_host(args, budget, log=print) -> list[dict]:
     add_serve_parser(parser.add_subparsers())
     ns = parser.parse_args(["serve", args.model, *engine_flags(args), "--port", str(port), "--disable-log-stats",
                             "--uvicorn-log-level", "warning"])
-    server = build_server(ns, worker=SimulatedWorker(config, budget, _FREE))
+    server = build_server(ns, worker=SimulatedWorker(config, budget, cost, paced=True))
     counters = server.config.app.state.engine.core.counters
     # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
     out_len, in_len = min(512, config.max_model_len // 2), min(64, config.max_model_len // 4)
-    samples = []
+    runs = []
     with serving_in_thread(server), tempfile.TemporaryDirectory() as tmp:
-        for c in [n for n in _HOST_LEVELS if n <= config.max_num_seqs]:
+        for c in [n for n in levels if n <= config.max_num_seqs]:
             steps, tokens = counters.num_steps, counters.generation_tokens
             prompts = max(8, 2 * c)
             subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url",
@@ -141,24 +144,23 @@ def measure_host(args, budget, log=print) -> list[dict]:
                             "host.json"], check=True, stdout=subprocess.DEVNULL)
             run = json.loads((Path(tmp) / "host.json").read_text())
             steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
-            samples.append({"seqs": tokens / steps, "seconds": run["duration"] / steps, "in_flight": c,
-                            "input_len": in_len, "output_len": out_len, "prompts": prompts,
-                            "median_ttft": run["median_ttft_ms"] / 1e3})
-            log(f"host, {c} in flight: {tokens / steps:.1f} requests a step, {1e3 * run['duration'] / steps:.3f} ms "
-                f"a step")
-    return samples
+            runs.append({"seqs": tokens / steps, "seconds": run["duration"] / steps, "in_flight": c,
+                         "input_len": in_len, "output_len": out_len, "prompts": prompts,
+                         "median_ttft": run["median_ttft_ms"] / 1e3})
+            log(f"server over a worker of {1e3 * cost.fixed:g} ms steps, {c} in flight: {tokens / steps:.1f} requests "
+                f"a step, {1e3 * run['duration'] / steps:.3f} ms a step, median TTFT {run['median_ttft_ms']:.1f} ms")
+    return runs
 
 
-def request_latency(config, budget, cost: CostModel, one: dict) -> float:
-    """What a request's way in adds to its TTFT: the median measured with one request in flight over the
-    free worker, less the simulator's for the same run on the host's terms alone."""
+def request_latency(config, budget, cost: CostModel, run: dict) -> float:
+    """What a request's way in adds to its TTFT: the median TTFT of ``run`` (``bench_server`` over a worker
+    priced by ``cost``), less the simulator's for the same run and cost."""
     from pagedserve.bench.datasets import SampleRequest
     from pagedserve.sim.load import simulate_load
 
-    host_only = dataclasses.replace(_FREE, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq)
-    sample = SampleRequest(list(range(one["input_len"])), one["input_len"], one["output_len"])
-    sim = simulate_load(config, budget, host_only, [sample] * one["prompts"], max_concurrency=one["in_flight"])
-    return one["median_ttft"] - sim["median_ttft_ms"] / 1e3
+    sample = SampleRequest(list(range(run["input_len"])), run["input_len"], run["output_len"])
+    sim = simulate_load(config, budget, cost, [sample] * run["prompts"], max_concurrency=run["in_flight"])
+    return run["median_ttft"] - sim["median_ttft_ms"] / 1e3
 
 
 def calibrate(args, log=print) -> Calibration:
@@ -186,9 +188,14 @@ def calibrate(args, log=print) -> Calibration:
             gpu, total = "cpu", 0
     finally:
         worker.shutdown()
-    host = measure_host(args, budget, log)
+    # the host: steps that cost nothing, so each lasts what the server's own work takes
+    host = bench_server(args, budget, _FREE, _HOST_LEVELS, log)
     cost = cost.with_host(host)
-    cost = cost.with_request_latency(request_latency(args.create_config(serving=True), budget, cost, host[0]))
+    # the way in: one request at a time over steps of a device's length (the server's threads then
+    # share the GIL as they do over a GPU)
+    paced = dataclasses.replace(_PACED, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq)
+    way_in = bench_server(args, budget, paced, (1,), log)[0]
+    cost = cost.with_request_latency(request_latency(args.create_config(serving=True), budget, paced, way_in))
     return Calibration(model=args.model, dtype=dtype_name(config.dtype),
                        kv_cache_dtype=dtype_name(config.kv_dtype), gpu=gpu, gpu_memory_bytes=total,
                        engine_args={k: v for k, v in vars(args).items() if v is not None},

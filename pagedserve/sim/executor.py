@@ -3,6 +3,8 @@ the engine's own scheduler, block pool and core run unchanged on a virtual clock
 
 from __future__ import annotations
 
+import time
+
 from pagedserve.memory import MemoryBudget
 from pagedserve.model.step import SamplingInputs, StepInputs
 from pagedserve.sim.cost import CostModel, graph_caps, step_features, step_kind
@@ -11,26 +13,37 @@ from pagedserve.sim.cost import CostModel, graph_caps, step_features, step_kind
 class _Samples:
     """A launched step's tokens: one placeholder id per sampling row (requests run with ignore_eos)."""
 
-    def __init__(self, rows: int):
-        self.rows = rows
+    def __init__(self, rows: int, ready_at: float | None = None):
+        self.rows, self.ready_at = rows, ready_at
 
     def wait(self) -> tuple[list[int], None, None, None]:
+        if self.ready_at is not None:  # as a device's step: the thread sleeps, the GIL is free meanwhile
+            time.sleep(max(0.0, self.ready_at - time.monotonic()))
         return [0] * self.rows, None, None, None
 
 
 class SimulatedWorker:
-    def __init__(self, config, budget: MemoryBudget, cost: CostModel):
-        self.budget, self.cost = budget, cost
+    def __init__(self, config, budget: MemoryBudget, cost: CostModel, paced: bool = False):
+        """``paced``: each step also takes its priced time on the wall clock, one after another (a real
+        server around the worker then runs as it would on that device); else the caller takes the steps'
+        seconds from ``launched`` and keeps its own clock."""
+        self.budget, self.cost, self.paced = budget, cost, paced
         self.caps = graph_caps(config)
         self.launched: list[float] = []  # seconds of each step launched since the caller last took them
+        self._free_at = 0.0              # paced: when the step launched last ends
         # what the device would hold: the budget (weights, activations, the preallocated cache)
         self._memory = budget.weights + budget.activation_peak + budget.non_torch + budget.kv_cache_bytes
 
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> _Samples | None:
         # the host's work for a step overlaps the device's (one step in flight): the longer of the two counts
         device = self.cost.seconds(*step_features(inp), step_kind(inp, self.caps))
-        self.launched.append(max(device, self.cost.host_seconds(len(inp.query_lens))))
-        return _Samples(len(inp.sample_rows)) if len(inp.sample_rows) else None
+        seconds = max(device, self.cost.host_seconds(len(inp.query_lens)))
+        ready_at = None
+        if self.paced:
+            ready_at = self._free_at = max(time.monotonic(), self._free_at) + seconds
+        else:
+            self.launched.append(seconds)
+        return _Samples(len(inp.sample_rows), ready_at) if len(inp.sample_rows) else None
 
     def device_memory(self) -> tuple[int, int]:
         return self._memory, self._memory
