@@ -14,24 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from pagedserve.bench.launch import LocalServer
-from pagedserve.config import ModelConfig, resolve_model
-from pagedserve.memory import kv_bytes_per_token, weight_bytes
-
 import torch
+
+from pagedserve.bench.launch import LocalServer, bench_serve
+from pagedserve.config import EngineArgs, ModelConfig
+from pagedserve.memory import kv_bytes_per_token, weight_bytes
 
 PEAK_FLOPS, PEAK_BYTES = 989e12, 4.8e12
 
 
-def floors(model: ModelConfig, kv_dtype: torch.dtype, length: int, output_len: int, c: int) -> tuple[float, float]:
+def floors(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, length: int, output_len: int,
+           c: int) -> tuple[float, float]:
     """(TTFT floor in s for one prompt alone, output tok/s ceiling at c sequences) at this length."""
     flops = 2 * model.num_params() * length + 2 * model.num_layers * model.num_heads * model.head_dim * length ** 2
     mid = length + output_len // 2  # the average context over the decode
-    step_bytes = weight_bytes(model, torch.bfloat16) + c * mid * kv_bytes_per_token(model, kv_dtype)
+    step_bytes = weight_bytes(model, dtype) + c * mid * kv_bytes_per_token(model, kv_dtype)
     return flops / PEAK_FLOPS, c / (step_bytes / PEAK_BYTES)
 
 
@@ -52,8 +51,8 @@ def main() -> None:
     levels = [int(x) for x in ns.concurrency.split(",")]
     out = Path(ns.result_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = ModelConfig.from_hf_dict(resolve_model(ns.model, "dummy").hf_config)
-    kv_dtype = torch.float8_e4m3fn if ns.kv_cache_dtype.startswith("fp8") else torch.bfloat16
+    # the model and dtypes as the server on a GPU resolves them
+    config = EngineArgs(model=ns.model, load_format="dummy", kv_cache_dtype=ns.kv_cache_dtype).create_config(plan_for="cuda")
     # a few tokens of slack: the tokenizer may add a BOS to the prompt
     flags = ["--load-format", "dummy", "--max-model-len", str(max(lengths) + ns.output_len + 16),
              "--kv-cache-dtype", ns.kv_cache_dtype, *ns.serve_args.split()]
@@ -62,16 +61,12 @@ def main() -> None:
         for length in lengths:
             for c in levels:
                 prompts = max(1, min(c, ns.max_prompt_tokens // length)) if c > 1 else 3
-                name = f"len{length}-c{c}.json"
-                subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url", server.base_url,
-                                "--model", ns.model,
-                                "--random-input-len", str(length), "--random-output-len", str(ns.output_len),
-                                "--num-prompts", str(prompts), "--max-concurrency", str(c), "--disable-tqdm",
-                                "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,95",
-                                "--result-dir", str(out), "--result-filename", name], check=True,
-                               stdout=subprocess.DEVNULL)
-                r = json.loads((out / name).read_text())
-                ttft_floor, tput_ceiling = floors(model, kv_dtype, length, ns.output_len, min(c, prompts))
+                r = bench_serve(server.base_url, [
+                    "--model", ns.model, "--random-input-len", str(length), "--random-output-len", str(ns.output_len),
+                    "--num-prompts", str(prompts), "--max-concurrency", str(c), "--percentile-metrics", "ttft,itl,e2el",
+                    "--metric-percentiles", "50,95"], out / f"len{length}-c{c}.json")
+                ttft_floor, tput_ceiling = floors(config.model, config.dtype, config.kv_dtype, length, ns.output_len,
+                                                  min(c, prompts))
                 rows.append((length, c, prompts, r["output_throughput"], tput_ceiling, r["median_ttft_ms"],
                              1e3 * ttft_floor, r["median_itl_ms"], r.get("server_preemptions")))
                 print(f"len {length} c {c}: {r['output_throughput']:.0f} tok/s, median TTFT {r['median_ttft_ms']:.0f} ms",

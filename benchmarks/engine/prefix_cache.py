@@ -10,12 +10,9 @@ python -m benchmarks.engine.prefix_cache [--model Qwen/Qwen3-8B] [--prefix-len 1
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from pagedserve.bench.launch import LocalServer
+from pagedserve.bench.launch import LocalServer, bench_serve
 
 
 def main() -> None:
@@ -39,14 +36,10 @@ def main() -> None:
         flags = ["--load-format", "dummy", cache, *ns.serve_args.split()]
         with LocalServer(ns.model, flags, out / f"server{cache}.log") as server:
             for name, data in workloads.items():
-                file = f"{cache.strip('-')}-{name.replace(' ', '-')}.json"
-                subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url", server.base_url,
-                                "--model", ns.model, *data, "--random-output-len", str(ns.output_len),
-                                "--num-prompts", str(ns.num_prompts), "--max-concurrency", str(ns.max_concurrency),
-                                "--disable-tqdm", "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,95",
-                                "--result-dir", str(out), "--result-filename", file], check=True,
-                               stdout=subprocess.DEVNULL)
-                r = json.loads((out / file).read_text())
+                r = bench_serve(server.base_url, [
+                    "--model", ns.model, *data, "--random-output-len", str(ns.output_len), "--num-prompts",
+                    str(ns.num_prompts), "--max-concurrency", str(ns.max_concurrency), "--percentile-metrics", "ttft,itl",
+                    "--metric-percentiles", "50,95"], out / f"{cache.strip('-')}-{name.replace(' ', '-')}.json")
                 rows.append(("off" if "no-" in cache else "on", name, r["median_ttft_ms"],
                              r["p95_ttft_ms"], r["output_throughput"]))
                 print(rows[-1], flush=True)

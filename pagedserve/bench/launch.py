@@ -1,9 +1,11 @@
 """``pagedserve serve`` as a child process on a free loopback port, for commands that need a server of
-their own (``bench sweep --model``, ``tune``): started, waited for on /health, stopped with SIGTERM."""
+their own (``bench sweep --model``, ``tune``): started, waited for on /health, stopped with SIGTERM. And
+``bench serve`` as a child process, for runs that keep the client off the server's interpreter."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -70,6 +72,15 @@ def with_flag(flags: list[str], name: str, value: str) -> list[str]:
             continue
         out.append(f)
     return [*out, opt, value]
+
+
+def bench_serve(base_url: str, flags: list[str], result: Path) -> dict:
+    """Run `pagedserve bench serve FLAGS` against ``base_url`` in its own process; its result JSON, which it
+    writes to ``result``."""
+    subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url", base_url, *flags,
+                    "--disable-tqdm", "--result-dir", str(result.parent), "--result-filename", result.name],
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.loads(result.read_text())
 
 
 class LocalServer:

@@ -18,10 +18,8 @@ import dataclasses
 import datetime
 import math
 import os
-import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -113,21 +111,20 @@ def git_commit() -> str | None:
         return None
 
 
-def bench_server(args, budget, cost: CostModel, levels, log=print) -> list[dict]:
-    """A real server for ``args`` over a paced worker priced by ``cost``, driven by ``bench serve`` (its own
-    process) at each level of requests in flight: the runs' shapes, their mean time a step and requests a
-    step, and their median TTFT."""
+def bench_server(config, budget, cost: CostModel, levels, log=print) -> list[dict]:
+    """The server of ``config`` (a serving one) over a paced worker priced by ``cost``, driven by ``bench
+    serve`` (its own process) at each level of requests in flight: the runs' shapes, their mean time a step
+    and requests a step, and their median TTFT."""
     from pagedserve.args import Parser, engine_flags
-    from pagedserve.bench.launch import free_port
+    from pagedserve.bench.launch import bench_serve, free_port
     from pagedserve.server.cli import add_serve_parser, build_server, serving_in_thread
     from pagedserve.sim.executor import SimulatedWorker
 
-    config = args.create_config(serving=True)
     port = free_port()
     parser = Parser()
     add_serve_parser(parser.add_subparsers())
-    ns = parser.parse_args(["serve", args.model, *engine_flags(args), "--port", str(port), "--disable-log-stats",
-                            "--uvicorn-log-level", "warning"])
+    ns = parser.parse_args(["serve", config.args.model, *engine_flags(config.args), "--port", str(port),
+                            "--disable-log-stats", "--uvicorn-log-level", "warning"])
     server = build_server(ns, worker=SimulatedWorker(config, budget, cost, paced=True))
     counters = server.config.app.state.engine.core.counters
     # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
@@ -137,12 +134,9 @@ def bench_server(args, budget, cost: CostModel, levels, log=print) -> list[dict]
         for c in [n for n in levels if n <= config.max_num_seqs]:
             steps, tokens = counters.num_steps, counters.generation_tokens
             prompts = max(8, 2 * c)
-            subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url",
-                            f"http://127.0.0.1:{port}", "--random-input-len", str(in_len), "--random-output-len",
-                            str(out_len), "--num-prompts", str(prompts), "--max-concurrency", str(c),
-                            "--num-warmups", "0", "--disable-tqdm", "--result-dir", tmp, "--result-filename",
-                            "host.json"], check=True, stdout=subprocess.DEVNULL)
-            run = json.loads((Path(tmp) / "host.json").read_text())
+            run = bench_serve(f"http://127.0.0.1:{port}", [
+                "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(prompts),
+                "--max-concurrency", str(c), "--num-warmups", "0"], Path(tmp) / "host.json")
             steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
             runs.append({"seqs": tokens / steps, "seconds": run["duration"] / steps, "in_flight": c,
                          "input_len": in_len, "output_len": out_len, "prompts": prompts,
@@ -189,13 +183,14 @@ def calibrate(args, log=print) -> Calibration:
     finally:
         worker.shutdown()
     # the host: steps that cost nothing, so each lasts what the server's own work takes
-    host = bench_server(args, budget, _FREE, _HOST_LEVELS, log)
+    serving = args.create_config(serving=True)
+    host = bench_server(serving, budget, _FREE, _HOST_LEVELS, log)
     cost = cost.with_host(host)
     # the way in: one request at a time over steps of a device's length (the server's threads then
     # share the GIL as they do over a GPU)
     paced = dataclasses.replace(_PACED, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq)
-    way_in = bench_server(args, budget, paced, (1,), log)[0]
-    cost = cost.with_request_latency(request_latency(args.create_config(serving=True), budget, paced, way_in))
+    way_in = bench_server(serving, budget, paced, (1,), log)[0]
+    cost = cost.with_request_latency(request_latency(serving, budget, paced, way_in))
     return Calibration(model=args.model, dtype=dtype_name(config.dtype),
                        kv_cache_dtype=dtype_name(config.kv_dtype), gpu=gpu, gpu_memory_bytes=total,
                        engine_args={k: v for k, v in vars(args).items() if v is not None},
