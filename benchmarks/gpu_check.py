@@ -1,6 +1,6 @@
 """Correctness on the GPU: the Triton attention path (fused q/k norm + rotary + K/V store, paged
 attention) against the torch reference on real shapes in bf16, the CUDA GEMV, the Gumbel sampler's draws
-against the softmax, and the engine's greedy tokens with both backends.  python -m benchmarks.gpu_check"""
+against the softmax, and the engine's greedy tokens with both backends (with and without penalties).  python -m benchmarks.gpu_check"""
 
 from __future__ import annotations
 
@@ -53,17 +53,26 @@ def main() -> None:
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     agreement("bf16, one request at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params), params)
-    outs = {}
+    # a third of the rows with presence/frequency penalties, a third with a repetition penalty (the newest
+    # token they count is taken on the device from the step in flight)
+    penalized = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                                **[{}, {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+                                   {"repetition_penalty": 1.3}][i % 3]) for i in range(len(prompts))]
+    outs, pen = {}, {}
     for backend in ("torch", "triton"):
         t0 = time.perf_counter()
         llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", attention_backend=backend, dtype="float32",
                   max_model_len=1024, gpu_memory_utilization=0.3, max_num_batched_tokens=256, max_num_seqs=8)
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        pen[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, penalized, use_tqdm=False)]
         print(f"engine ({backend}, fp32): {time.perf_counter() - t0:.1f} s", flush=True)
         del llm
         torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(outs["torch"], outs["triton"]))
     print(f"greedy sequences identical, triton vs torch backend (fp32, chunked prefill + CUDA graphs): {same}/{len(prompts)}")
+    same = sum(a == b for a, b in zip(pen["torch"], pen["triton"]))
+    changed = sum(a != b for a, b in zip(pen["triton"], outs["triton"]))
+    print(f"... with penalties on 8 of 12 rows: {same}/{len(prompts)} identical ({changed} differ from unpenalized)")
     # bf16 with an fp8 cache, decodes graphed: the torch reference, Triton with the CUDA fp8 decode, and
     # Triton alone. bf16 rounding flips near-tie argmaxes of random weights, so this reports agreement
     # (sequences identical, mean common prefix) for each against the reference rather than demanding it

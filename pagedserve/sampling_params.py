@@ -21,6 +21,9 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0     # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0   # divides positive / multiplies negative logits of prompt and output tokens
     logprobs: int | None = None   # number of top logprobs to return per token (plus the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -44,6 +47,11 @@ class SamplingParams:
             raise bad("max_tokens", "must be at least 1")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad("min_tokens", "must be in [0, max_tokens]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise bad("repetition_penalty", "must be positive and finite")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -65,6 +73,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

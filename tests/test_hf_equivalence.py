@@ -109,3 +109,46 @@ def test_prefix_cache_hits_do_not_change_outputs(checkpoints, references):
     assert got == want and want[2] == expected[3]
     counters = on.engine.core.counters
     assert counters.prefix_cache_hits >= 3 * 64 and counters.prefix_cache_queries > counters.prefix_cache_hits
+
+
+class _OpenAIPenalties:
+    """OpenAI's presence and frequency penalties as a transformers logits processor: over generated tokens."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        for row, ids in enumerate(input_ids[:, self.prompt_len:]):
+            for t in ids.tolist():
+                counts[row, t] += 1
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+def test_penalties_match_transformers(checkpoints, references):
+    """Greedy decoding under each penalty, penalized and plain rows in one batch, against transformers: its
+    own repetition penalty, and presence/frequency written out as a logits processor."""
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    ids, plain = references["qwen3"]
+    path = checkpoints["qwen3"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    settings = [dict(repetition_penalty=1.6), dict(presence_penalty=1.5, frequency_penalty=0.7),
+                dict(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=2.0)]
+    want, params, prompts = [], [], []
+    for i, prompt in enumerate(ids):
+        s = settings[i % len(settings)] if i < len(ids) - 1 else {}  # the last row stays plain
+        x = torch.tensor([prompt])
+        processors = LogitsProcessorList([_OpenAIPenalties(len(prompt), s.get("presence_penalty", 0.0),
+                                                           s.get("frequency_penalty", 0.0))])
+        with torch.no_grad():
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
+                               min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                               repetition_penalty=s.get("repetition_penalty", 1.0), logits_processor=processors)
+        want.append(y[0, len(prompt):].tolist())
+        params.append(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **s))
+        prompts.append(prompt)
+    assert want[-1] == plain[-1] and all(w != p for w, p in zip(want[:-1], plain))  # the penalties bite
+    llm = LLM(str(path), kv_cache_memory="16MiB", max_num_batched_tokens=40)  # chunks beside decodes
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want

@@ -57,20 +57,24 @@ def test_prompt_forms_and_multiple_prompts(server, client):
 
 
 def test_32_concurrent_streams_match_the_offline_api(server):
+    """Greedy streams, a third of them with presence/frequency penalties and a third with a repetition
+    penalty, batched together by the server: the same text as the offline API's."""
     prompts = [f"Request number {i} says hello" for i in range(32)]
+    penalties = [[{}, {"presence_penalty": 1.5, "frequency_penalty": 0.5}, {"repetition_penalty": 1.3}][i % 3]
+                 for i in range(32)]
     llm = LLM("tiny", kv_cache_memory="16MiB", max_model_len=1024)
-    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20,
-                                                                               ignore_eos=True), use_tqdm=False)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, **pen) for pen in penalties]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     aclient = openai.AsyncOpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
 
-    async def one(p: str) -> str:
+    async def one(p: str, pen: dict) -> str:
         stream = await aclient.completions.create(model="tiny", prompt=p, max_tokens=20, temperature=0, stream=True,
-                                                  extra_body={"ignore_eos": True})
+                                                  extra_body={"ignore_eos": True, **pen})
         return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
     async def main():
         try:
-            return await asyncio.gather(*(one(p) for p in prompts))
+            return await asyncio.gather(*(one(p, pen) for p, pen in zip(prompts, penalties)))
         finally:
             await aclient.close()
 
@@ -90,7 +94,8 @@ def _error(resp: httpx.Response, status: int) -> dict:
     ({"prompt": "Hello", "temperature": -1}, "temperature", ["temperature"]),
     ({"prompt": "Hello", "top_p": 1.5}, "top_p", ["top_p"]),
     ({"prompt": "Hello", "max_tokens": 0}, "max_tokens", ["max_tokens"]),
-    ({"prompt": "Hello", "presence_penalty": 0.5}, "presence_penalty", ["presence_penalty"]),
+    ({"prompt": "Hello", "presence_penalty": 2.5}, "presence_penalty", ["presence_penalty"]),
+    ({"prompt": "Hello", "repetition_penalty": 0}, "repetition_penalty", ["repetition_penalty"]),
     ({"prompt": [999999]}, "prompt", ["Token ids"]),
     ({"max_tokens": 3}, "prompt", ["prompt"]),
     ({"prompt": "Hello", "max_tokens": "many"}, "max_tokens", ["max_tokens"]),

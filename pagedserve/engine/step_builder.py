@@ -13,7 +13,8 @@ import numpy as np
 from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import SchedulerOutput
-from pagedserve.model.step import SamplingInputs, StepInputs
+from pagedserve.model.step import PenaltyInputs, SamplingInputs, StepInputs
+from pagedserve.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1  # noise keys are non-negative int64
 # a temperature this high already samples uniformly at float32 precision; larger ones would overflow it
@@ -30,8 +31,9 @@ class StepBuilder:
     def build(self, out: SchedulerOutput, pool: BlockPool) -> tuple[StepInputs, SamplingInputs | None]:
         inputs = self._inputs(out, pool)
         sampled = [it.request for it in out.scheduled if it.samples]
+        sampling = self._sampling(sampled) if sampled else None
         self._last_rows = {r.request_id: row for row, r in enumerate(sampled)}
-        return inputs, (self._sampling(sampled) if sampled else None)
+        return inputs, sampling
 
     def forget(self) -> None:
         """The step in flight failed: no later step takes tokens from it."""
@@ -70,7 +72,7 @@ class StepBuilder:
         """Per-row sampling parameters of the requests that sample this step, in row order."""
         sp = [r.sampling_params for r in requests]
         num_logprobs = max((p.logprobs for p in sp if p.logprobs is not None), default=-1)
-        if all(p.greedy for p in sp):  # the common benchmark case: nothing per row
+        if all(p.greedy and not p.penalized for p in sp):  # the common benchmark case: nothing per row
             return SamplingInputs.greedy_only(num_logprobs)
         vocab = self.vocab_size
         table = np.array([(1.0 if p.greedy else min(p.temperature, _MAX_TEMPERATURE), p.greedy,
@@ -82,4 +84,26 @@ class StepBuilder:
         step = (self._seed_base, self._num_sampling_steps)
         seeds = [hash((p.seed, r.num_tokens_with_pending) if p.seed is not None else (*step, i)) & _SEED_MASK
                  for i, (r, p) in enumerate(zip(requests, sp))]
-        return SamplingInputs(table, seeds, num_logprobs)
+        return SamplingInputs(table, seeds, num_logprobs, self._penalties(requests, sp))
+
+    def _penalties(self, requests: list[Request], sp: list[SamplingParams]) -> PenaltyInputs | None:
+        """The tokens each penalized row has seen: its output, and its prompt too for a repetition penalty."""
+        rows = [i for i, p in enumerate(sp) if p.penalized]
+        if not rows:
+            return None
+        seen, num_prompt, in_flight = [], [], []
+        for i in rows:
+            r = requests[i]
+            start = 0 if sp[i].repetition_penalty != 1.0 else r.num_prompt_tokens
+            seen.append(r.all_token_ids[start:])
+            num_prompt.append(r.num_prompt_tokens - start)
+            # pending: this step's sample, and the previous step's if it is still in flight (its row there:
+            # build() renews the rows only after this)
+            in_flight.append(self._last_rows[r.request_id] if r.num_pending_tokens > 1 else -1)
+        tokens = np.full((len(rows), max(1, *map(len, seen))), self.vocab_size, dtype=np.int64)
+        for row, ids in zip(tokens, seen):
+            row[:len(ids)] = ids
+        values = np.array([(sp[i].presence_penalty, sp[i].frequency_penalty, sp[i].repetition_penalty) for i in rows],
+                          dtype=np.float32).T
+        return PenaltyInputs(np.asarray(rows, dtype=np.int64), values, tokens,
+                             np.asarray(num_prompt, dtype=np.int64), np.asarray(in_flight, dtype=np.int64))

@@ -18,8 +18,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.memory import GiB, kv_heads_per_rank
 from pagedserve.model import parallel
 from pagedserve.model.attention import AttentionBackend, AttentionMetadata, staged, to_device
-from pagedserve.model.sampler import SamplerOutput, SamplingBatch, sample
-from pagedserve.model.step import SamplingInputs, StepInputs
+from pagedserve.model.sampler import Penalties, SamplerOutput, SamplingBatch, sample
+from pagedserve.model.step import PenaltyInputs, SamplingInputs, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -338,16 +338,17 @@ class ModelRunner:
         """Launch one step without waiting for it; its sampled tokens (one per sampling row) come back
         through the returned handle."""
         logits = self.forward(inp)
-        self._last_tokens = None
+        previous, self._last_tokens = self._last_tokens, None
         if logits is None:
             return None
         with torch.inference_mode():
-            result = sample(logits, self.sampling_batch(sampling))
+            result = sample(logits, self.sampling_batch(sampling, previous))
         self._last_tokens = result.token_ids
         return PendingSamples.start(result)
 
-    def sampling_batch(self, s: SamplingInputs) -> SamplingBatch:
-        """The rows' parameters as device tensors: one upload for the table, one for the noise keys."""
+    def sampling_batch(self, s: SamplingInputs, previous: torch.Tensor | None = None) -> SamplingBatch:
+        """The rows' parameters as device tensors: one upload for the table, one for the noise keys (and
+        one for the penalized rows' tokens; ``previous``, the last step's samples, holds those in flight)."""
         if s.table is None:
             return SamplingBatch.greedy_only(s.num_logprobs)
         table, vocab = s.table, self.config.model.vocab_size
@@ -358,4 +359,13 @@ class ModelRunner:
             top_p=rows[3] if (table[3] < 1.0).any() else None,
             min_p=rows[4] if (table[4] > 0.0).any() else None,
             seeds=self._to_device(np.array(s.seeds, dtype=np.int64)), seed_list=s.seeds, all_greedy=False,
-            num_logprobs=s.num_logprobs)
+            num_logprobs=s.num_logprobs,
+            penalties=None if s.penalties is None else self._penalties(s.penalties, previous))
+
+    def _penalties(self, p: PenaltyInputs, previous: torch.Tensor | None) -> Penalties:
+        tokens = self._to_device(p.tokens)
+        if (p.in_flight >= 0).any():  # one more column: the newest token, still on the device
+            at = self._to_device(p.in_flight)
+            newest = torch.where(at >= 0, previous[at.clamp(min=0)], self.config.model.vocab_size)
+            tokens = torch.cat([tokens, newest.unsqueeze(1)], 1)
+        return Penalties(self._to_device(p.rows), self._to_device(p.values), tokens, self._to_device(p.num_prompt))

@@ -1,11 +1,12 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs.
+"""Batched sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs.
 
 Random rows use the Gumbel-max form: ``argmax(logits / T + g)`` with ``g = -log(-log u)``, ``u`` uniform,
 samples exactly from ``softmax(logits / T)``, and needs no softmax, only one read of the logits (on
 CUDA one fused kernel, ``fused.gumbel_argmax``). Top-k / top-p / min-p set the logits they drop to -inf
 first. Each row's noise is keyed by a seed the model runner derives from the request's seed and the
 index of the token being sampled, so a seeded request's samples do not depend on what else is in the
-batch, nor on preemption.
+batch, nor on preemption. Penalties change the logits that are sampled from; logprobs are those of the
+model's own logits (vLLM's default).
 """
 
 from __future__ import annotations
@@ -15,6 +16,32 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.model import fused
+
+
+@dataclass
+class Penalties:
+    """OpenAI's presence and frequency penalties over a row's output tokens and the repetition penalty
+    (CTRL's, as Hugging Face and vLLM apply it) over its prompt and output tokens, for some rows."""
+
+    rows: torch.Tensor        # [P] int64: the rows they apply to
+    values: torch.Tensor      # [3, P] float32: presence, frequency, repetition
+    tokens: torch.Tensor      # [P, L] int64: the tokens each row has seen, padded with the vocabulary size
+    num_prompt: torch.Tensor  # [P] int64: leading entries of a row that are prompt tokens
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 logits with the rows' penalties applied (the repetition penalty first, as vLLM does)."""
+        vocab = logits.shape[1]
+        presence, frequency, repetition = (v.unsqueeze(1) for v in self.values)
+        is_output = torch.arange(self.tokens.shape[1], device=logits.device) >= self.num_prompt.unsqueeze(1)
+        output = torch.where(is_output, self.tokens, vocab)
+        counts = torch.zeros((len(self.rows), vocab + 1), device=logits.device)
+        counts = counts.scatter_add_(1, output, torch.ones(output.shape, device=logits.device))[:, :vocab]
+        seen = torch.zeros((len(self.rows), vocab + 1), dtype=torch.bool, device=logits.device)
+        seen = seen.scatter_(1, self.tokens, True)[:, :vocab]
+        x = logits.index_select(0, self.rows).float()
+        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+        x = x - frequency * counts - presence * (counts > 0)
+        return logits.float().index_copy(0, self.rows, x)
 
 
 @dataclass
@@ -30,10 +57,11 @@ class SamplingBatch:
     seed_list: list[int]             # the same keys on the host (the torch path draws from them)
     all_greedy: bool
     num_logprobs: int                # max top-N requested in the batch; -1: none
+    penalties: Penalties | None = None
 
     @classmethod
     def greedy_only(cls, num_logprobs: int = -1) -> SamplingBatch:
-        """Every row greedy: no per-row tensors."""
+        """Every row greedy and none penalized: no per-row tensors."""
         return cls(None, None, None, None, None, None, [], True, num_logprobs)
 
 
@@ -52,9 +80,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        x, inv_t = logits, 1.0 / batch.temperature
+        x, inv_t = logits if batch.penalties is None else batch.penalties.apply(logits), 1.0 / batch.temperature
         if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
-            x, inv_t = _filtered_logits(logits.float() * inv_t.unsqueeze(1), batch), torch.ones_like(inv_t)
+            x, inv_t = _filtered_logits(x.float() * inv_t.unsqueeze(1), batch), torch.ones_like(inv_t)
         if x.is_cuda:
             tokens = fused.gumbel_argmax(x, inv_t, batch.seeds, ~batch.greedy)
         else:

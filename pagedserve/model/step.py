@@ -29,6 +29,19 @@ class StepInputs:
 
 
 @dataclass
+class PenaltyInputs:
+    """The tokens the presence, frequency and repetition penalties look at, for the sampling rows that set
+    one. A row holds its output tokens, after its prompt tokens when it has a repetition penalty; the newest
+    token may still be in flight (the previous step samples it), and the model takes it on the device."""
+
+    rows: np.ndarray         # [P] int64: the sampling rows with a penalty
+    values: np.ndarray       # [3, P] float32: presence, frequency, repetition
+    tokens: np.ndarray       # [P, L] int64: the tokens seen, padded with the vocabulary size
+    num_prompt: np.ndarray   # [P] int64: how many leading entries of a row are prompt tokens
+    in_flight: np.ndarray    # [P] int64: the previous step's sample row holding the newest token, -1 if none
+
+
+@dataclass
 class SamplingInputs:
     """The sampling rows' parameters, in row order (rank 0 only: the other ranks do not sample)."""
 
@@ -37,6 +50,7 @@ class SamplingInputs:
     table: np.ndarray | None
     seeds: list[int]         # each row's noise key (non-negative int64)
     num_logprobs: int        # the most top-N logprobs a row asks for; -1: none
+    penalties: PenaltyInputs | None = None
 
     @classmethod
     def greedy_only(cls, num_logprobs: int = -1) -> SamplingInputs:

@@ -48,7 +48,7 @@ class _SamplingFields(_Body):
     skip_special_tokens: StrictBool = True
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    repetition_penalty: float = Field(default=1.0, gt=0)  # finite: the body model refuses inf and nan
 
     def model_post_init(self, _) -> None:
         if self.model_extra:
@@ -56,9 +56,6 @@ class _SamplingFields(_Body):
                            sorted(self.model_extra))
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(self, name) != neutral:
-                raise InvalidRequestError(name, f"{name} is not supported by this server; leave it at {neutral}.")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options needs stream: true.")
         return SamplingParams(
@@ -66,6 +63,8 @@ class _SamplingFields(_Body):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
             min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
 
