@@ -37,7 +37,10 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     for line in llm.memory_budget.report_lines():
         print("  " + line)
     prompts = ns.prompt or DEFAULT_PROMPTS
-    params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.sampling_seed,
+    gen = llm.engine.config.generation  # the model's recommended defaults for the flags left unset
+    temperature = ns.temperature if ns.temperature is not None else gen.sampling.get("temperature", 0.0)
+    params = SamplingParams(**{**gen.sampling, "temperature": temperature},
+                            max_tokens=ns.max_tokens or gen.max_tokens or 32, seed=ns.sampling_seed,
                             ignore_eos=ns.ignore_eos)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -59,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="Generate completions offline (default: the built-in tiny model).")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="A prompt (repeatable). Default: four sample prompts.")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="Tokens to generate per prompt (default: the model's max_new_tokens, else 32).")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="Sampling temperature (default: the model's, else 0: greedy).")
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from pagedserve.errors import ConfigError
+from pagedserve.errors import ConfigError, InvalidRequestError
+from pagedserve.sampling_params import SamplingParams
 
 
 def flag(name: str) -> str:
@@ -170,6 +171,59 @@ def resolve_model(model: str, load_format: str) -> ModelSource:
         f"(built-in: tiny, {', '.join(KNOWN_MODELS)}).")
 
 
+# the keys of a generation_config.json that set default sampling parameters (the ones vLLM reads)
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What the model's authors recommend in ``generation_config.json``: default sampling parameters for
+    requests that leave them unset, a default output length, and more end-of-sequence tokens."""
+
+    sampling: dict[str, float]
+    max_tokens: int | None   # max_new_tokens: the output length of a request that sets none
+    eos_token_ids: tuple[int, ...]
+    file: Path | None = None
+
+    @classmethod
+    def read(cls, choice: str, source: ModelSource) -> GenerationDefaults:
+        """``choice`` is --generation-config: auto (the model folder's file, if it has one), vllm (none), or
+        a folder with a generation_config.json."""
+        if choice == "vllm" or (choice == "auto" and source.path is None):
+            return cls({}, None, ())
+        folder = source.path if choice == "auto" else Path(os.path.expanduser(choice))
+        file = folder / "generation_config.json"
+        if not file.is_file():
+            if choice == "auto":
+                return cls({}, None, ())
+            raise ConfigError(f"{flag('generation_config')}: {str(folder)!r} has no generation_config.json (or pass "
+                              f"auto for the model folder's, vllm for none).")
+        try:
+            cfg = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{flag('generation_config')}: {str(file)!r} could not be read as JSON ({e}). Fix it, or "
+                              f"pass --generation-config vllm to ignore it.") from e
+        sampling = {k: cfg[k] for k in _GENERATION_DEFAULTS if cfg.get(k) is not None}
+        max_tokens, eos = cfg.get("max_new_tokens"), cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        try:
+            if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+                raise InvalidRequestError("max_new_tokens", f"max_new_tokens must be a positive integer, got {max_tokens!r}.")
+            if not all(isinstance(t, int) and t >= 0 for t in eos_ids):
+                raise InvalidRequestError("eos_token_id", f"eos_token_id must be token ids, got {eos!r}.")
+            if not isinstance(sampling.get("top_k", 0), int):
+                raise InvalidRequestError("top_k", f"top_k must be an integer, got {sampling['top_k']!r}.")
+            SamplingParams(**sampling)
+        except (InvalidRequestError, TypeError) as e:
+            raise ConfigError(f"{flag('generation_config')}: {str(file)!r}: {e} Fix the file, or pass "
+                              f"--generation-config vllm to ignore it.") from e
+        return cls(sampling, max_tokens, eos_ids, file)
+
+    def describe(self) -> str:
+        values = {**self.sampling, **({"max_tokens": self.max_tokens} if self.max_tokens else {})}
+        return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
 # --------------------------------------------------------------------------------------------------
 # Engine arguments
 # --------------------------------------------------------------------------------------------------
@@ -215,6 +269,7 @@ class EngineArgs:
     dtype: str = _arg("auto", "Weight and activation dtype: auto, bfloat16, float16, float32 (auto: float32 on CPU, the checkpoint's dtype on CUDA).")
     load_format: str = _arg("auto", "auto/safetensors: read *.safetensors; dummy: random weights of the architecture.")
     seed: int = _arg(0, "Seed for dummy weights and for sampling without a per-request seed.")
+    generation_config: str = _arg("auto", "Default sampling parameters for requests that leave them unset: auto (the model folder's generation_config.json, as its authors recommend: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; its eos_token_id also ends a sequence), vllm (neutral defaults; the file is ignored), or a folder with a generation_config.json.")
     max_model_len: int | None = _arg(None, "Context length (prompt + output); accepts 8k-style values. Default: the model's max_position_embeddings.", size=True)
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step (default 8192 on CUDA, 2048 on CPU; max_model_len without chunked prefill).", size=True)
@@ -252,6 +307,7 @@ class EngineArgs:
         if self.load_format not in _LOAD_FORMATS:
             raise ConfigError(f"{flag('load_format')}: {self.load_format!r} is not one of {', '.join(_LOAD_FORMATS)}.")
         source = resolve_model(self.model, "dummy" if plan_for else self.load_format)
+        generation = GenerationDefaults.read(self.generation_config, source)
         model_config = ModelConfig.from_hf_dict(source.hf_config)
 
         device = torch.device(plan_for) if plan_for else self._resolve_device()
@@ -311,6 +367,7 @@ class EngineArgs:
             args=self, source=source, model=model_config, device=device, dtype=dtype, kv_dtype=kv_dtype,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
             max_mixed_prefill_tokens=mixed if self.enable_chunked_prefill else 0, kv_cache_memory=kv_cache_memory,
+            generation=generation,
         )
 
     def _resolve_device(self) -> torch.device:
@@ -363,6 +420,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     max_mixed_prefill_tokens: int  # 0: no bound on prompt tokens beside decodes
     kv_cache_memory: int | None
+    generation: GenerationDefaults
 
     @property
     def block_size(self) -> int:

@@ -80,6 +80,9 @@ def test_the_model_side_never_imports_the_layers_above_it():
 
 def test_config_and_the_memory_budget_sit_below_everything_they_describe():
     graph = import_graph()
-    below = {"pagedserve.errors", "pagedserve.config", "pagedserve.builtin.known_models", "pagedserve.builtin.tiny"}
+    # sampling_params: config checks a model's recommended sampling defaults by the requests' own rules
+    below = {"pagedserve.errors", "pagedserve.config", "pagedserve.builtin.known_models", "pagedserve.builtin.tiny",
+             "pagedserve.sampling_params"}
     for m in ("pagedserve.config", "pagedserve.memory"):
         assert graph[m] <= below, (m, graph[m] - below)
+    assert graph["pagedserve.sampling_params"] <= {"pagedserve.errors"}

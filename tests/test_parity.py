@@ -171,3 +171,45 @@ def test_diagnose_names_the_next_command_and_generate_says_the_tiny_model_is_ran
     assert "pagedserve bench sweep --base-url http://10.0.0.5:8000" in d.first_change
     main(["generate", "--kv-cache-memory", "16MiB", "--max-tokens", "4", "--prompt", "Hi"])
     assert "random weights" in capsys.readouterr().out
+
+
+def test_generation_config_defaults_as_vllm_applies_them(tmp_path, tiny_path, capsys):
+    """A model folder's generation_config.json sets the sampling parameters a request leaves unset (its
+    eos_token_id ends sequences too); --generation-config vllm ignores it; a bad file or folder is named."""
+    import shutil
+
+    model = tmp_path / "tiny-recommended"
+    shutil.copytree(tiny_path, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.3, "max_new_tokens": 7,
+         "eos_token_id": [2, 9], "do_sample": True}))
+    llm = LLM(str(model), kv_cache_memory="16MiB", max_model_len=1024)
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.top_p, d.repetition_penalty, d.max_tokens) == (0.6, 20, 0.95, 1.3, None)
+    assert {2, 9} <= set(llm.engine.inputs.eos_token_ids)
+    assert 1 <= len(llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids) <= 7
+    plain = LLM(str(model), kv_cache_memory="16MiB", max_model_len=1024, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams() and 9 not in plain.engine.inputs.eos_token_ids
+
+    def offline(**kw) -> str:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kw)
+        return plain.generate(["Hello world"], params, use_tqdm=False)[0].outputs[0].text
+
+    with running_server(*ENGINE, model=str(model)) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+        def served(**kw) -> str:
+            return client.completions.create(model=str(model), prompt="Hello world", temperature=0, max_tokens=12,
+                                             extra_body={"ignore_eos": True, **kw}).choices[0].text
+
+        assert served() == offline(repetition_penalty=1.3) != offline()  # unset: the file's penalty
+        assert served(repetition_penalty=1.0) == offline()  # set: the request's
+        chat = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "Hi"}],
+                                              temperature=0, extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 7  # max_new_tokens
+    (model / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    for flags in ([], ["--generation-config", str(tmp_path / "nowhere")]):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(model), *ENGINE, *flags])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--generation-config" in err and "generation_config.json" in err

@@ -45,7 +45,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
-        eos = set(config.model.eos_token_ids)
+        eos = set(config.model.eos_token_ids) | set(config.generation.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
@@ -54,6 +54,10 @@ class InputProcessor:
         longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
         self.max_prompt_chars = longest * config.max_model_len
         self.chat_template: str | None = None  # the server's --chat-template, over the tokenizer's
+        gen = config.generation
+        if gen.file is not None and (gen.sampling or gen.max_tokens):
+            logger.warning("Requests that leave them unset get the defaults of %s: %s (--generation-config vllm "
+                           "ignores the file)", gen.file, gen.describe())
 
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -126,7 +130,7 @@ class InputProcessor:
                 raise InvalidRequestError(
                     "prompt", f"This model's maximum context length is {limit} tokens. However, your prompt "
                               f"has {n} tokens. Please reduce the length of the prompt.")
-            max_tokens = limit - n
+            max_tokens = min(limit - n, self.config.generation.max_tokens or limit)
         else:
             max_tokens = params.max_tokens
             if n + max_tokens > limit:

@@ -64,10 +64,15 @@ class LLM:
         encoded = [self.engine.inputs.apply_chat_template(c, **kwargs) for c in conversations]
         return self._run(encoded, params, use_tqdm)
 
-    @staticmethod
-    def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given none: the model's generation_config.json defaults
+        (see ``generation_config``), else vLLM's."""
+        gen = self.engine.config.generation
+        return SamplingParams(**gen.sampling, **({"max_tokens": None} if gen.max_tokens else {}))
+
+    def _per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:

@@ -48,23 +48,23 @@ class _SamplingFields(_Body):
     skip_special_tokens: StrictBool = True
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0)  # finite: the body model refuses inf and nan
+    repetition_penalty: float | None = Field(default=None, gt=0)  # finite: the body model refuses inf and nan
 
     def model_post_init(self, _) -> None:
         if self.model_extra:
             logger.warning("The following fields were present in the request but ignored: %s",
                            sorted(self.model_extra))
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """``defaults``: the model's recommended values (generation_config.json) for the fields left unset."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options needs stream: true.")
+        unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        chosen = {k: v if (v := getattr(self, k)) is not None else defaults.get(k, neutral) for k, neutral in unset.items()}
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            n=self.n, **chosen, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
 
@@ -89,10 +89,10 @@ class CompletionRequest(_SamplingFields):
             return [p]
         return list(p)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict) -> SamplingParams:
         if self.echo:
             raise InvalidRequestError("echo", "echo is not supported.")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class ContentPart(_Body):
@@ -140,11 +140,11 @@ class ChatCompletionRequest(_SamplingFields):
         return {**kwargs, "chat_template": template, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "top_logprobs needs logprobs: true.")
         lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.max_completion_tokens or self.max_tokens, lp)
+        return self._sampling_params(self.max_completion_tokens or self.max_tokens, lp, defaults)
 
 
 class TokenizeRequest(_Body):

@@ -21,7 +21,7 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
     model = state.check_model(body.model)
-    params = body.sampling_params()
+    params = body.sampling_params(state.engine.config.generation.sampling)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await state.start(rid, body.prompts(), params)
     offsets = [0] * len(streams)  # where each choice's next text starts (logprobs' text_offset)
@@ -41,7 +41,7 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
     model = state.check_model(body.model)
-    params = body.sampling_params()
+    params = body.sampling_params(state.engine.config.generation.sampling)
     messages = [m.as_dict() for m in body.messages]
     template_args = body.template_args(state.settings.trust_request_chat_template)
     state.admission.check_room(params.n)
