@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 from pagedserve.engine.block_pool import BlockPool
@@ -189,9 +190,8 @@ class Scheduler:
                 backlog += left
             else:
                 decoding = True
-        seats = self.max_num_seqs - len(self.running)
-        for k in range(min(seats, len(self.waiting))):
-            backlog += self.waiting[k].num_tokens
+        seats = max(0, self.max_num_seqs - len(self.running))
+        backlog += sum(r.num_tokens for r in islice(self.waiting, seats))
         return decoding and backlog <= self.BOUND_STEPS * self.max_mixed_prefill_tokens
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
