@@ -207,6 +207,23 @@ def test_metrics_counters_move(server, client):
     assert after["vllm:request_success_total{length}"] == before.get("vllm:request_success_total{length}", 0) + 1
     assert after["pagedserve:device_memory_peak_bytes"] > 0
 
+    def moved(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    # vLLM's per-request and per-step histograms
+    assert moved("vllm:request_generation_tokens_sum") == 7 and moved("vllm:request_generation_tokens_count") == 1
+    assert moved("vllm:request_prompt_tokens_sum") == c.usage.prompt_tokens
+    assert moved("vllm:request_params_max_tokens_sum") == 7 and moved("vllm:request_params_n_sum") == 1
+    for name in ("time_per_output_token", "prefill_time", "decode_time", "inference_time"):
+        assert moved(f"vllm:request_{name}_seconds_count") == 1, name
+    assert moved("vllm:request_inference_time_seconds_sum") >= moved("vllm:request_decode_time_seconds_sum") > 0
+    assert moved("vllm:iteration_tokens_total_count") >= 7 and moved("vllm:iteration_tokens_total_sum") >= 7
+    before = after
+    client.completions.create(model="tiny", prompt="Hello world", n=2, max_tokens=3, temperature=1.0)
+    after = metric_values(url)
+    assert moved("vllm:request_params_n_sum") == 2 and moved("vllm:request_params_n_count") == 1
+    assert moved("vllm:request_params_max_tokens_count") == 2 and moved("vllm:request_generation_tokens_count") == 2
+
 
 def test_api_key():
     with running_server(*ENGINE_FLAGS, "--api-key", "s3cret") as (url, _):

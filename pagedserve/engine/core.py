@@ -12,6 +12,7 @@ host's work per step is longer than the device's. The price is that a request st
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,10 @@ class EnginePeaks:
             self.kv_cache_usage = kv_cache_usage
 
 
+# upper bounds of the steps' token counts that vllm:iteration_tokens_total buckets (vLLM's)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class EngineCounters:
     """Cumulative counters for metrics (vllm:*_total)."""
@@ -78,6 +83,14 @@ class EngineCounters:
     num_steps: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # steps by their token count: step_tokens[i] counts those in (bucket i-1, bucket i]; the last, the rest
+    step_tokens: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BUCKETS) + 1))
+    step_tokens_sum: int = 0
+
+    def count_step(self, num_tokens: int) -> None:
+        self.num_steps += 1
+        self.step_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
+        self.step_tokens_sum += num_tokens
 
 
 class EngineCore:
@@ -157,7 +170,7 @@ class EngineCore:
         if not sched.is_empty:
             launched = (sched, self._launch(sched))
             self.counters.num_preemptions += len(sched.preempted)
-            self.counters.num_steps += 1
+            self.counters.count_step(sched.total_tokens)
         previous, self._in_flight = self._in_flight, launched
         outputs = self._collect(*previous) if previous is not None else []
         self._uncollected = []

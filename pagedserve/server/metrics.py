@@ -7,8 +7,10 @@ the frontend as outputs arrive. Each server has its own registry.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from pagedserve.engine.core import STEP_TOKEN_BUCKETS
+from pagedserve.engine.request import Request
 from pagedserve.memory import dtype_name
 from pagedserve.outputs import RequestOutput
 
@@ -18,6 +20,18 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def one_two_five(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit``: the token-count buckets (vLLM's)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class NvmlMemory:
@@ -125,6 +139,13 @@ class _EngineCollector:
                 yield self._family(c, "pagedserve:long_prompts",
                                    f"Prompts over {deg.window.long_prompt_tokens} tokens that arrived (admitted or not).",
                                    deg.window.long_prompts_total)
+        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step.", labels=list(self.labels))
+        cumulative, buckets = 0, []
+        for le, n in zip([*map(float, STEP_TOKEN_BUCKETS), "+Inf"], counters.step_tokens):
+            cumulative += n
+            buckets.append((str(le), cumulative))
+        steps.add_metric(list(self.labels.values()), buckets, counters.step_tokens_sum)
+        yield steps
         success = CounterMetricFamily("vllm:request_success", "Finished requests by reason.",
                                       labels=[*self.labels, "finished_reason"])
         for reason, n in self.server_state.finished.items():
@@ -146,24 +167,42 @@ class ServerMetrics:
         self.degradation = None               # the profile switcher, when the server has profiles
         self.window = None                    # its signal window: fed TTFTs and ITLs as they happen
         self.registry.register(_EngineCollector(engine, model_name, self))
-        labels = ["model_name"]
-        self._labels = (model_name,)
-
-        def hist(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(*self._labels)
+        def hist(name, doc, buckets):  # labelled as the collector's families are
+            return Histogram(name, doc, ["model_name", "engine"], buckets=buckets,
+                             registry=self.registry).labels(model_name, "0")
 
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue = hist("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
-        self._last_token: dict[str, float] = {}  # request -> time of its last token
+        self.prefill = hist("vllm:request_prefill_time_seconds", "Time from first scheduling to the first token.",
+                            LATENCY_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds", "Time from the first token to the last.",
+                           LATENCY_BUCKETS)
+        self.inference = hist("vllm:request_inference_time_seconds", "Time from first scheduling to the last token.",
+                              LATENCY_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds",
+                         "A request's mean time between output tokens (decode time / (output tokens - 1)).", ITL_BUCKETS)
+        tokens = one_two_five(engine.config.max_model_len)
+        self.prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt tokens of a finished request.", tokens)
+        self.generation_tokens = hist("vllm:request_generation_tokens", "Output tokens of a finished request.", tokens)
+        self.max_tokens = hist("vllm:request_params_max_tokens", "A request's max_tokens (resolved).", tokens)
+        self.n = hist("vllm:request_params_n", "A prompt's n (parallel samples).", N_BUCKETS)
+        self._last_token: dict[str, tuple[float, int]] = {}  # request -> time of its last token, tokens so far
+
+    def admitted(self, requests: list[Request], n: int) -> None:
+        """The requests of one API call, as they enter the engine (one prompt's ``n`` samples each)."""
+        for req in requests:
+            self.max_tokens.observe(req.max_tokens)
+        for _ in range(len(requests) // n):
+            self.n.observe(n)
 
     def observe(self, results: list[RequestOutput]) -> None:
         """Called on the loop with each step's outputs."""
         for res in results:  # DELTA outputs: each with tokens carries this step's new one
             m = res.metrics
-            new = bool(res.outputs[0].token_ids)
-            prev = self._last_token.get(res.request_id)
+            new = len(res.outputs[0].token_ids)
+            prev, count = self._last_token.get(res.request_id, (None, 0))
             if new and prev is None:
                 ttft = m.first_token_time - m.arrival_time
                 self.ttft.observe(ttft)
@@ -176,14 +215,29 @@ class ServerMetrics:
                 self.itl.observe(itl)
                 if self.window is not None:
                     self.window.itl(m.last_token_time, itl)
+            count += new
             if new:
-                self._last_token[res.request_id] = m.last_token_time
+                self._last_token[res.request_id] = (m.last_token_time, count)
             if res.finished:
                 self._last_token.pop(res.request_id, None)
                 reason = res.outputs[0].finish_reason or "abort"
                 self.finished[reason] = self.finished.get(reason, 0) + 1
                 if m.finished_time is not None:
                     self.e2e.observe(m.finished_time - m.arrival_time)
+                self._finished(res, count)
+
+    def _finished(self, res: RequestOutput, count: int) -> None:
+        """The per-request histograms of a request that ran to its end."""
+        m = res.metrics
+        self.prompt_tokens.observe(len(res.prompt_token_ids))
+        self.generation_tokens.observe(count)
+        if m.first_token_time is None or m.last_token_time is None or m.first_scheduled_time is None:
+            return
+        self.prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        self.decode.observe(m.last_token_time - m.first_token_time)
+        self.inference.observe(max(0.0, m.last_token_time - m.first_scheduled_time))
+        if count > 1:
+            self.tpot.observe((m.last_token_time - m.first_token_time) / (count - 1))
 
     def aborted(self, request_id: str) -> None:
         """A request whose client went away before it finished."""

@@ -121,6 +121,7 @@ class ServerState:
         if self.degradation is not None:
             self.degradation.window.arrived(lens)
         self.admission.check(lens)
+        self.metrics.admitted([req for req, _ in made], params.n)
         if self.settings.log_requests:
             logger.info("Received request %s: %d prompt(s) of %s tokens, %s", base_id, len(lens), lens, params)
         return [self.engine.add(req, text) for req, text in made]
