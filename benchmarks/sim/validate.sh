@@ -3,6 +3,7 @@
 # KV cache; the steps, the server's host work and a request's way in), measure the reference ladder 1..32
 # for each, run the same ladders on the new calibrations, and print the rung-by-rung comparison.
 # Usage: bash benchmarks/sim/validate.sh RESULT_DIR [GPU_NAME]   (with pagedserve importable)
+# Its calibrations (RESULT_DIR/cal) are made as calibrate_shipped.sh makes the 16-bit ones it ships.
 set -eu
 R=${1:-results/sim-validate}
 GPU=${2:-h200}
