@@ -1,6 +1,6 @@
 """Correctness on the GPU: the Triton attention path (fused q/k norm + rotary + K/V store, paged
 attention) against the torch reference on real shapes in bf16, the CUDA GEMV, the Gumbel sampler's draws
-against the softmax, and the engine's greedy tokens with both backends (with and without penalties).  python -m benchmarks.gpu_check"""
+against the softmax, and the engine's greedy tokens with both backends (with and without penalties and logit biases).  python -m benchmarks.gpu_check"""
 
 from __future__ import annotations
 
@@ -53,11 +53,12 @@ def main() -> None:
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     agreement("bf16, one request at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params), params)
-    # a third of the rows with presence/frequency penalties, a third with a repetition penalty (the newest
-    # token they count is taken on the device from the step in flight)
+    # rows with presence/frequency penalties, a repetition penalty, a logit bias (the newest token the
+    # penalties count is taken on the device from the step in flight)
     penalized = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
                                 **[{}, {"presence_penalty": 1.5, "frequency_penalty": 0.5},
-                                   {"repetition_penalty": 1.3}][i % 3]) for i in range(len(prompts))]
+                                   {"repetition_penalty": 1.3}, {"logit_bias": {7: 3.0, 11: -100.0}}][i % 4])
+                 for i in range(len(prompts))]
     outs, pen = {}, {}
     for backend in ("torch", "triton"):
         t0 = time.perf_counter()
@@ -72,7 +73,8 @@ def main() -> None:
     print(f"greedy sequences identical, triton vs torch backend (fp32, chunked prefill + CUDA graphs): {same}/{len(prompts)}")
     same = sum(a == b for a, b in zip(pen["torch"], pen["triton"]))
     changed = sum(a != b for a, b in zip(pen["triton"], outs["triton"]))
-    print(f"... with penalties on 8 of 12 rows: {same}/{len(prompts)} identical ({changed} differ from unpenalized)")
+    print(f"... with penalties or a logit bias on 9 of 12 rows: {same}/{len(prompts)} identical ({changed} differ "
+          f"from the plain run)")
     # bf16 with an fp8 cache, decodes graphed: the torch reference, Triton with the CUDA fp8 decode, and
     # Triton alone. bf16 rounding flips near-tie argmaxes of random weights, so this reports agreement
     # (sequences identical, mean common prefix) for each against the reference rather than demanding it

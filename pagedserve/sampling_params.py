@@ -24,6 +24,7 @@ class SamplingParams:
     presence_penalty: float = 0.0     # subtracted once from every token already in the output
     frequency_penalty: float = 0.0    # subtracted per occurrence in the output
     repetition_penalty: float = 1.0   # divides positive / multiplies negative logits of prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # added to those tokens' logits, in [-100, 100] (OpenAI's)
     logprobs: int | None = None   # number of top logprobs to return per token (plus the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -63,6 +64,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logit_bias):
+                raise bad("logit_bias", "keys must be token ids")
+            if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be in [-100, 100]")
 
     def child(self, index: int) -> "SamplingParams":
         """The parameters of one of the ``n`` parallel samples: one sequence each, a seeded request's
@@ -77,6 +83,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the model's own logits: nothing to sample and no logit changed."""
+        return self.greedy and not self.penalized and not self.logit_bias
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

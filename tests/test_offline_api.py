@@ -130,12 +130,30 @@ def test_chat_applies_template(llm):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
     (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(logprobs=50), "logprobs"),
-    (dict(n=0), "n"), (dict(stop=[""]), "stop"),
+    (dict(n=0), "n"), (dict(stop=[""]), "stop"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(logit_bias={-1: 1}), "logit_bias"),
 ])
 def test_invalid_sampling_params(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param and param in str(e.value)
+
+
+def test_logit_bias_steers_sampling_and_leaves_logprobs_raw(llm):
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    first = llm.generate(["Hello world"], plain, use_tqdm=False)[0].outputs[0].token_ids[0]
+    forced, banned = 7, {first: -100.0}
+    outs = llm.generate(["Hello world"] * 3, [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={forced: 100.0}, logprobs=0),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logit_bias={forced: 100.0}),
+        SamplingParams(temperature=0, max_tokens=1, logit_bias=banned)], use_tqdm=False)
+    greedy, sampled, avoided = (o.outputs[0] for o in outs)
+    assert greedy.token_ids == sampled.token_ids == [forced] * 6
+    assert all(lp[forced].logprob < -1.0 for lp in greedy.logprobs)  # the model's, not the biased ones
+    assert avoided.token_ids[0] != first
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        llm.generate(["Hello"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
 
 
 def test_too_long_prompt_is_rejected_with_both_numbers(llm):

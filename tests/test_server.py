@@ -57,13 +57,16 @@ def test_prompt_forms_and_multiple_prompts(server, client):
 
 
 def test_32_concurrent_streams_match_the_offline_api(server):
-    """Greedy streams, a third of them with presence/frequency penalties and a third with a repetition
-    penalty, batched together by the server: the same text as the offline API's."""
+    """Greedy streams, some with presence/frequency penalties, a repetition penalty or a logit bias, batched
+    together by the server: the same text as the offline API's."""
     prompts = [f"Request number {i} says hello" for i in range(32)]
-    penalties = [[{}, {"presence_penalty": 1.5, "frequency_penalty": 0.5}, {"repetition_penalty": 1.3}][i % 3]
-                 for i in range(32)]
+    penalties = [[{}, {"presence_penalty": 1.5, "frequency_penalty": 0.5}, {"repetition_penalty": 1.3},
+                  {"logit_bias": {"7": 3.0, "11": -100}}][i % 4] for i in range(32)]
     llm = LLM("tiny", kv_cache_memory="16MiB", max_model_len=1024)
-    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, **pen) for pen in penalties]
+    # JSON's keys are strings; the offline API's, token ids
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                             **{k: {int(t): b for t, b in v.items()} if k == "logit_bias" else v for k, v in pen.items()})
+              for pen in penalties]
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     aclient = openai.AsyncOpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
 
@@ -96,6 +99,9 @@ def _error(resp: httpx.Response, status: int) -> dict:
     ({"prompt": "Hello", "max_tokens": 0}, "max_tokens", ["max_tokens"]),
     ({"prompt": "Hello", "presence_penalty": 2.5}, "presence_penalty", ["presence_penalty"]),
     ({"prompt": "Hello", "repetition_penalty": 0}, "repetition_penalty", ["repetition_penalty"]),
+    ({"prompt": "Hello", "logit_bias": {"abc": 1}}, "logit_bias", ["token ids"]),
+    ({"prompt": "Hello", "logit_bias": {"5": 150}}, "logit_bias", ["[-100, 100]"]),
+    ({"prompt": "Hello", "logit_bias": {"999999": 1}}, "logit_bias", ["999999"]),
     ({"prompt": [999999]}, "prompt", ["Token ids"]),
     ({"max_tokens": 3}, "prompt", ["prompt"]),
     ({"prompt": "Hello", "max_tokens": "many"}, "max_tokens", ["max_tokens"]),

@@ -123,6 +123,10 @@ class InputProcessor:
                 raise InvalidRequestError("prompt", f"Token ids must be integers in [0, {vocab}).")
         if not ids:
             raise InvalidRequestError("prompt", "The prompt is empty.")
+        vocab = self.config.model.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError("logit_bias", f"logit_bias names token {max(params.logit_bias)}; token ids "
+                                                    f"are in [0, {vocab}).")
         limit = self.config.max_model_len
         n = len(ids)
         if params.max_tokens is None:

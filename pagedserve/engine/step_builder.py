@@ -72,7 +72,7 @@ class StepBuilder:
         """Per-row sampling parameters of the requests that sample this step, in row order."""
         sp = [r.sampling_params for r in requests]
         num_logprobs = max((p.logprobs for p in sp if p.logprobs is not None), default=-1)
-        if all(p.greedy and not p.penalized for p in sp):  # the common benchmark case: nothing per row
+        if all(p.plain_greedy for p in sp):  # the common benchmark case: nothing per row
             return SamplingInputs.greedy_only(num_logprobs)
         vocab = self.vocab_size
         table = np.array([(1.0 if p.greedy else min(p.temperature, _MAX_TEMPERATURE), p.greedy,
@@ -84,7 +84,12 @@ class StepBuilder:
         step = (self._seed_base, self._num_sampling_steps)
         seeds = [hash((p.seed, r.num_tokens_with_pending) if p.seed is not None else (*step, i)) & _SEED_MASK
                  for i, (r, p) in enumerate(zip(requests, sp))]
-        return SamplingInputs(table, seeds, num_logprobs, self._penalties(requests, sp))
+        biased = [(row, p.logit_bias) for row, p in enumerate(sp) if p.logit_bias]
+        index = values = None
+        if biased:
+            index = np.array([(row, t) for row, bias in biased for t in bias], dtype=np.int64).T
+            values = np.array([b for _, bias in biased for b in bias.values()], dtype=np.float32)
+        return SamplingInputs(table, seeds, num_logprobs, self._penalties(requests, sp), index, values)
 
     def _penalties(self, requests: list[Request], sp: list[SamplingParams]) -> PenaltyInputs | None:
         """The tokens each penalized row has seen: its output, and its prompt too for a repetition penalty."""

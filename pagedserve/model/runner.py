@@ -360,7 +360,8 @@ class ModelRunner:
             min_p=rows[4] if (table[4] > 0.0).any() else None,
             seeds=self._to_device(np.array(s.seeds, dtype=np.int64)), seed_list=s.seeds, all_greedy=False,
             num_logprobs=s.num_logprobs,
-            penalties=None if s.penalties is None else self._penalties(s.penalties, previous))
+            penalties=None if s.penalties is None else self._penalties(s.penalties, previous),
+            logit_bias=None if s.bias_index is None else (self._to_device(s.bias_index), self._to_device(s.bias_values)))
 
     def _penalties(self, p: PenaltyInputs, previous: torch.Tensor | None) -> Penalties:
         tokens = self._to_device(p.tokens)

@@ -1,11 +1,11 @@
-"""Batched sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs.
+"""Batched sampling: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs.
 
 Random rows use the Gumbel-max form: ``argmax(logits / T + g)`` with ``g = -log(-log u)``, ``u`` uniform,
 samples exactly from ``softmax(logits / T)``, and needs no softmax, only one read of the logits (on
 CUDA one fused kernel, ``fused.gumbel_argmax``). Top-k / top-p / min-p set the logits they drop to -inf
 first. Each row's noise is keyed by a seed the model runner derives from the request's seed and the
 index of the token being sampled, so a seeded request's samples do not depend on what else is in the
-batch, nor on preemption. Penalties change the logits that are sampled from; logprobs are those of the
+batch, nor on preemption. Logit biases and penalties change the logits that are sampled from; logprobs are those of the
 model's own logits (vLLM's default).
 """
 
@@ -58,6 +58,7 @@ class SamplingBatch:
     all_greedy: bool
     num_logprobs: int                # max top-N requested in the batch; -1: none
     penalties: Penalties | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # [2, E] (row, token) and [E] bias
 
     @classmethod
     def greedy_only(cls, num_logprobs: int = -1) -> SamplingBatch:
@@ -80,7 +81,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        x, inv_t = logits if batch.penalties is None else batch.penalties.apply(logits), 1.0 / batch.temperature
+        x, inv_t = logits, 1.0 / batch.temperature
+        if batch.logit_bias is not None:  # before the penalties, as vLLM applies them
+            index, bias = batch.logit_bias
+            x = x.float().index_put((index[0], index[1]), bias, accumulate=True)
+        if batch.penalties is not None:
+            x = batch.penalties.apply(x)
         if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
             x, inv_t = _filtered_logits(x.float() * inv_t.unsqueeze(1), batch), torch.ones_like(inv_t)
         if x.is_cuda:

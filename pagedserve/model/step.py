@@ -51,6 +51,9 @@ class SamplingInputs:
     seeds: list[int]         # each row's noise key (non-negative int64)
     num_logprobs: int        # the most top-N logprobs a row asks for; -1: none
     penalties: PenaltyInputs | None = None
+    # logit_bias entries of every row: [2, E] int64 (row, token) and [E] float32 bias; None if no row has one
+    bias_index: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
 
     @classmethod
     def greedy_only(cls, num_logprobs: int = -1) -> SamplingInputs:

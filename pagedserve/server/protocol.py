@@ -49,6 +49,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)  # finite: the body model refuses inf and nan
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
 
     def model_post_init(self, _) -> None:
         if self.model_extra:
@@ -65,8 +66,17 @@ class _SamplingFields(_Body):
             n=self.n, **chosen, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(), include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequestError("logit_bias", "logit_bias keys must be token ids (integers as strings), got "
+                                                    f"{sorted(self.logit_bias)!r}.") from None
 
     @property
     def include_usage(self) -> bool:
