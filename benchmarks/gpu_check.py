@@ -59,13 +59,16 @@ def main() -> None:
                                 **[{}, {"presence_penalty": 1.5, "frequency_penalty": 0.5},
                                    {"repetition_penalty": 1.3}, {"logit_bias": {7: 3.0, 11: -100.0}}][i % 4])
                  for i in range(len(prompts))]
-    outs, pen = {}, {}
+    outs, pen, scored = {}, {}, {}
+    scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     for backend in ("torch", "triton"):
         t0 = time.perf_counter()
         llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", attention_backend=backend, dtype="float32",
                   max_model_len=1024, gpu_memory_utilization=0.3, max_num_batched_tokens=256, max_num_seqs=8)
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         pen[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, penalized, use_tqdm=False)]
+        scored[backend] = [[e[t].logprob for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+                           for o in llm.generate(prompts, scoring, use_tqdm=False)]
         print(f"engine ({backend}, fp32): {time.perf_counter() - t0:.1f} s", flush=True)
         del llm
         torch.cuda.empty_cache()
@@ -75,6 +78,9 @@ def main() -> None:
     changed = sum(a != b for a, b in zip(pen["triton"], outs["triton"]))
     print(f"... with penalties or a logit bias on 9 of 12 rows: {same}/{len(prompts)} identical ({changed} differ "
           f"from the plain run)")
+    diff = max(abs(a - b) for x, y in zip(scored["torch"], scored["triton"]) for a, b in zip(x, y))
+    print(f"prompt logprobs (fp32, prompts through the prompt-step graphs), triton vs torch: max |diff| {diff:.2e} "
+          f"{'OK' if diff < 1e-3 else 'FAIL'}")
     # bf16 with an fp8 cache, decodes graphed: the torch reference, Triton with the CUDA fp8 decode, and
     # Triton alone. bf16 rounding flips near-tie argmaxes of random weights, so this reports agreement
     # (sequences identical, mean common prefix) for each against the reference rather than demanding it

@@ -50,6 +50,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default=None)
+    # prompt_logprobs: per prompt token, its logprob and the top-N (None for the first, which has no context)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def combine(deltas: list[RequestOutput]) -> RequestOutput:
@@ -60,4 +62,5 @@ def combine(deltas: list[RequestOutput]) -> RequestOutput:
     c = last.outputs[0]
     completion = CompletionOutput(c.index, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
                                   c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason)
-    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [completion], last.finished, last.metrics)
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [completion], last.finished, last.metrics,
+                         next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None))

@@ -26,9 +26,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # divides positive / multiplies negative logits of prompt and output tokens
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits, in [-100, 100] (OpenAI's)
     logprobs: int | None = None   # number of top logprobs to return per token (plus the sampled one)
+    prompt_logprobs: int | None = None  # ... per prompt token (plus the prompt's own): scores the prompt
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
+    # the argmax of the model's own logits, nothing sampled and no logit changed (set on construction:
+    # the engine asks it of every request every step)
+    plain_greedy: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
@@ -55,6 +59,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be positive and finite")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -69,6 +75,7 @@ class SamplingParams:
                 raise bad("logit_bias", "keys must be token ids")
             if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
+        self.plain_greedy = self.greedy and not self.penalized and not self.logit_bias
 
     def child(self, index: int) -> "SamplingParams":
         """The parameters of one of the ``n`` parallel samples: one sequence each, a seeded request's
@@ -83,11 +90,6 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
-    def plain_greedy(self) -> bool:
-        """The argmax of the model's own logits: nothing to sample and no logit changed."""
-        return self.greedy and not self.penalized and not self.logit_bias
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -152,3 +152,35 @@ def test_penalties_match_transformers(checkpoints, references):
     llm = LLM(str(path), kv_cache_memory="16MiB", max_num_batched_tokens=40)  # chunks beside decodes
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_prompt_logprobs_match_transformers(checkpoints, references):
+    """prompt_logprobs: every prompt token's log-probability (the first has none), rank and the top-N,
+    equal to transformers' on identical weights, with prompts chunked over steps and beside decodes, again
+    with the prompts in the prefix cache (a scored prompt takes nothing from it), and under preemption."""
+    from transformers import AutoModelForCausalLM
+
+    ids, _ = references["llama"]
+    path = checkpoints["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    want = []  # per prompt: each scored token's logprob and rank, and the top 3 ids
+    with torch.no_grad():
+        for prompt in ids:
+            lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+            chosen = lp.gather(1, torch.tensor(prompt[1:])[:, None])
+            want.append((chosen[:, 0], ((lp > chosen).sum(1) + 1).tolist(), lp.topk(3, -1).indices.tolist()))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=3)
+    longest = max(len(i) for i in ids) + MAX_TOKENS
+    blocks = -(-longest // 16) + 1  # room for the longest request, far from room for all at once
+    for llm in (LLM(str(path), kv_cache_memory="16MiB", max_num_batched_tokens=24),
+                LLM(str(path), num_gpu_blocks_override=blocks, max_model_len=blocks * 16)):
+        for _ in range(2):  # the second time, every prompt is in the prefix cache
+            outs = llm.generate(ids * 3, params, use_tqdm=False)
+            for out, prompt, (chosen, ranks, tops) in zip(outs, ids * 3, want * 3):
+                got = out.prompt_logprobs
+                assert len(got) == len(prompt) and got[0] is None
+                values = torch.tensor([e[t].logprob for e, t in zip(got[1:], prompt[1:])])
+                assert torch.allclose(values, chosen, atol=1e-4)
+                assert [e[t].rank for e, t in zip(got[1:], prompt[1:])] == ranks
+                assert [[t for t, v in sorted(e.items(), key=lambda kv: kv[1].rank) if v.rank <= 3] for e in got[1:]] == tops
+    assert llm.engine.core.counters.num_preemptions > 0

@@ -213,3 +213,33 @@ def test_generation_config_defaults_as_vllm_applies_them(tmp_path, tiny_path, ca
             main(["serve", str(model), *ENGINE, *flags])
         err = capsys.readouterr().err
         assert e.value.code == 2 and "--generation-config" in err and "generation_config.json" in err
+
+
+def test_echo_and_prompt_logprobs_as_evaluation_harnesses_ask(server):
+    """echo with max_tokens 0 and logprobs (how lm-evaluation-harness scores a continuation): the prompt's
+    text and each prompt token's logprob, equal to the offline API's prompt_logprobs; echo ahead of a
+    completion, streamed or not; max_tokens 0 without echo is a 400."""
+    url, client = server
+    prompt = "The capital of France is Paris"
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    ch = scored.choices[0]
+    offline = LLM("tiny", kv_cache_memory="16MiB", max_model_len=1024).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=2), use_tqdm=False)[0]
+    ids = offline.prompt_token_ids
+    assert ch.text == prompt and scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e[t].logprob for e, t in zip(offline.prompt_logprobs[1:], ids[1:])]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, echo=True, logprobs=1, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    assert full.text == prompt + offline.outputs[0].text
+    assert len(full.logprobs.tokens) == len(ids) + 5 and full.logprobs.text_offset == sorted(full.logprobs.text_offset)
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=5, echo=True, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if chunk.choices)
+    assert streamed == full.text
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

@@ -143,7 +143,8 @@ JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | 
                                                                                                 max_size=4), max_leaves=8)
 FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
           "stream", "stream_options", "logprobs", "ignore_eos", "min_tokens", "messages", "model", "echo",
-          "top_logprobs", "chat_template_kwargs", "max_completion_tokens", "add_generation_prompt"]
+          "top_logprobs", "chat_template_kwargs", "max_completion_tokens", "add_generation_prompt",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -45,6 +45,8 @@ class CoreOutput:
     logprobs: list[float] | None = None     # sampled token first, then the top-N
     logprob_ids: list[int] | None = None
     rank: int | None = None
+    # prompt_logprobs: for each prompt token scored this step, (logprobs, logprob ids, rank) as above
+    prompt_scores: list[tuple[list[float], list[int], int]] | None = None
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     error: str | None = None                # the request failed (a step raised): why
@@ -191,10 +193,13 @@ class EngineCore:
 
     def _collect(self, sched: SchedulerOutput, pending: PendingSamples | None) -> list[CoreOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""
-        tokens, lp, lp_ids, ranks = pending.wait() if pending is not None else ([], None, None, None)
+        tokens, lp, lp_ids, ranks, scores = pending.wait() if pending is not None else ([], None, None, None, None)
+        scored = self._prompt_scores(sched, scores) if scores is not None else {}
         produced = self.scheduler.update_from_output(sched, tokens)
 
-        outputs = []
+        producing = {req.request_id for _, req in produced} if scored else set()
+        outputs = [CoreOutput(rid, None, prompt_scores=s) for rid, s in scored.items()
+                   if rid not in producing and not self._finished(rid)]
         for row, req in produced:
             n_lp = req.sampling_params.logprobs
             finished = req.status.finished
@@ -204,9 +209,26 @@ class EngineCore:
                              num_preemptions=req.num_preemptions)
             if n_lp is not None:
                 out.logprobs, out.logprob_ids, out.rank = lp[row][:1 + n_lp], lp_ids[row][:1 + n_lp], ranks[row]
+            out.prompt_scores = scored.get(req.request_id)
             outputs.append(out)
             if req.num_output_tokens == 1:
                 self.counters.prompt_tokens += req.num_prompt_tokens
 
         self.counters.generation_tokens += len(produced)
         return outputs
+
+    def _finished(self, request_id: str) -> bool:
+        """Gone from the scheduler: finished or aborted while its step ran."""
+        return request_id not in self.scheduler.requests
+
+    @staticmethod
+    def _prompt_scores(sched: SchedulerOutput, scores: tuple[list, list, list]) -> dict[str, list]:
+        """The step's prompt-token scores, split by request (rows come in schedule order)."""
+        lp, ids, ranks = scores
+        out, at = {}, 0
+        for it in sched.scheduled:
+            if it.num_scored:
+                k = 1 + it.request.sampling_params.prompt_logprobs
+                out[it.request.request_id] = [(lp[r][:k], ids[r][:k], ranks[r]) for r in range(at, at + it.num_scored)]
+                at += it.num_scored
+        return out

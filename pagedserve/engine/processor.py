@@ -156,12 +156,14 @@ class _State:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     hold: int = 0          # DELTA: trailing chars held back while a stop string may still be forming
     sent_text: int = 0     # DELTA: chars and tokens already handed out
     sent_tokens: int = 0
+    sent_prompt_logprobs: bool = False  # DELTA: they go out once, with the first token
 
 
 class OutputProcessor:
@@ -189,6 +191,8 @@ class OutputProcessor:
                        hold=max((len(s) for s in stops), default=1) - 1)
         if request.sampling_params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+        if request.sampling_params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         self.states[request.request_id] = state
 
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str], dict[str, Exception]]:
@@ -213,6 +217,10 @@ class OutputProcessor:
         m = st.metrics
         m.first_scheduled_time = out.first_scheduled_time or m.first_scheduled_time
         m.num_preemptions = out.num_preemptions
+        if out.prompt_scores is not None:
+            st.prompt_logprobs.extend(self._entry(*score) for score in out.prompt_scores)
+        if out.token_id is None and out.finish_reason is None:  # prompt scores alone: nothing to hand out yet
+            return
         if out.token_id is not None and self._append_token(st, out, now) and out.finish_reason is None:
             to_abort.append(out.request_id)
         if st.finish_reason is None:
@@ -238,10 +246,7 @@ class OutputProcessor:
         st.token_ids.append(out.token_id)
         if st.logprobs is not None:
             st.cumulative_logprob += out.logprobs[0]
-            entry = {out.token_id: Logprob(out.logprobs[0], out.rank, self._piece(out.token_id))}
-            for rank, (tid, lp) in enumerate(zip(out.logprob_ids[1:], out.logprobs[1:]), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
-            st.logprobs.append(entry)
+            st.logprobs.append(self._entry(out.logprobs, out.logprob_ids, out.rank))
         if st.stream is None:
             return False
         piece = st.stream.step(self.tokenizer.backend_tokenizer, out.token_id)
@@ -261,6 +266,13 @@ class OutputProcessor:
                 st.finish_reason, st.stop_reason = "stop", s
                 return True
         return False
+
+    def _entry(self, logprobs: list[float], ids: list[int], rank: int) -> dict[int, Logprob]:
+        """A token's logprob (ids[0], the token itself, first) and the top-N, keyed by token id."""
+        entry = {ids[0]: Logprob(logprobs[0], rank, self._piece(ids[0]))}
+        for r, (tid, lp) in enumerate(zip(ids[1:], logprobs[1:]), start=1):
+            entry.setdefault(tid, Logprob(lp, r, self._piece(tid)))
+        return entry
 
     def _flush(self, st: _State) -> None:
         """At the end, emit what the stream held back (bytes of an unfinished UTF-8 character)."""
@@ -285,8 +297,11 @@ class OutputProcessor:
         completion = CompletionOutput(0, st.text[text_from:text_to], st.token_ids[tokens_from:], st.cumulative_logprob,
                                       None if st.logprobs is None else st.logprobs[tokens_from:],
                                       st.finish_reason, st.stop_reason)
+        prompt_logprobs = st.prompt_logprobs
+        if st.kind is RequestOutputKind.DELTA:
+            prompt_logprobs, st.sent_prompt_logprobs = (None if st.sent_prompt_logprobs else prompt_logprobs), True
         return RequestOutput(st.request.request_id, st.prompt, st.request.prompt_token_ids,
-                             [completion], finished, st.metrics)
+                             [completion], finished, st.metrics, prompt_logprobs)
 
     def _delta(self, st: _State, finished: bool) -> RequestOutput | None:
         """What is new since the last output; text that might still become part of a stop string waits

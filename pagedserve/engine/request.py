@@ -46,6 +46,7 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
+    num_prompt_scored: int = 0             # prompt_logprobs: positions whose next prompt token is scored
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -33,6 +33,8 @@ class ScheduledRequest:
     start: int           # first token position computed this step
     num_tokens: int      # tokens computed this step
     samples: bool        # the step reaches the end of the known tokens: a new token is sampled
+    scores_from: int = 0  # prompt_logprobs: the step scores prompt tokens scores_from + 1 ...
+    num_scored: int = 0   # ... this many (each from the position before it)
 
 
 @dataclass
@@ -153,7 +155,8 @@ class Scheduler:
                 req = self.waiting[0]  # new or preempted: nothing computed, no blocks held
                 if req.num_pending_tokens:  # preempted while its token was in flight: wait for it
                     break
-                cached = self.pool.lookup(req)
+                # a scored prompt needs every position's logits: nothing comes from the cache
+                cached = self.pool.lookup(req) if req.sampling_params.prompt_logprobs is None else []
                 num_cached = len(cached) * self.pool.block_size
                 n = req.num_tokens - num_cached
                 room = min(budget, prompt_budget)
@@ -197,7 +200,13 @@ class Scheduler:
     def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens_with_pending
-        out.scheduled.append(ScheduledRequest(req, start, n, samples))
+        item = ScheduledRequest(req, start, n, samples)
+        if req.sampling_params.prompt_logprobs is not None:  # once each, also when recomputed after preemption
+            item.scores_from = max(start, req.num_prompt_scored)
+            end = min(start + n, req.num_prompt_tokens - 1)
+            item.num_scored = max(0, end - item.scores_from)
+            req.num_prompt_scored = max(req.num_prompt_scored, end)
+        out.scheduled.append(item)
         req.num_pending_tokens += samples
         if samples and n == 1 and start >= req.num_prompt_tokens:
             out.num_decode_tokens += 1

@@ -48,9 +48,15 @@ class StepBuilder:
         tables = pool.stacked_tables([it.request.request_id for it in items])
         ids: list[int] = []
         fill_rows, fill_from = [], []
+        score_rows, score_targets, score_top = [], [], 0
         for it in items:
             known = it.request.all_token_ids
             end = it.start + it.num_tokens
+            if it.num_scored:  # the rows of positions scores_from.. score the prompt tokens after them
+                first = len(ids) + it.scores_from - it.start
+                score_rows.extend(range(first, first + it.num_scored))
+                score_targets.extend(known[it.scores_from + 1:it.scores_from + 1 + it.num_scored])
+                score_top = max(score_top, it.request.sampling_params.prompt_logprobs)
             ids.extend(known[it.start:end])
             if end > len(known):  # only the last input can be in flight (one step runs at a time)
                 fill_rows.append(len(ids))
@@ -66,7 +72,8 @@ class StepBuilder:
         samples = np.fromiter((it.samples for it in items), dtype=bool, count=n)
         return StepInputs(np.asarray(ids, dtype=np.int64), pos, slots, query_lens,
                           (starts + query_lens).astype(np.int32), np.ascontiguousarray(tables), ends[samples],
-                          np.asarray(fill_rows, dtype=np.int64), np.asarray(fill_from, dtype=np.int64))
+                          np.asarray(fill_rows, dtype=np.int64), np.asarray(fill_from, dtype=np.int64),
+                          np.asarray(score_rows, dtype=np.int64), np.asarray(score_targets, dtype=np.int64), score_top)
 
     def _sampling(self, requests: list[Request]) -> SamplingInputs:
         """Per-row sampling parameters of the requests that sample this step, in row order."""

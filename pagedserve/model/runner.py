@@ -18,7 +18,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.memory import GiB, kv_heads_per_rank
 from pagedserve.model import parallel
 from pagedserve.model.attention import AttentionBackend, AttentionMetadata, staged, to_device
-from pagedserve.model.sampler import Penalties, SamplerOutput, SamplingBatch, sample
+from pagedserve.model.sampler import Penalties, SamplerOutput, SamplingBatch, sample, token_logprobs
 from pagedserve.model.step import PenaltyInputs, SamplingInputs, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -29,23 +29,29 @@ class PendingSamples:
     """A launched step's samples on their way to the host: the copies are queued behind the step, and
     ``wait`` blocks only until they land (the one host sync of a step)."""
 
-    samples: SamplerOutput         # host tensors (pinned) once the copies complete
+    samples: SamplerOutput | None  # host tensors (pinned) once the copies complete
+    scores: SamplerOutput | None   # the scored prompt tokens' (prompt_logprobs), likewise
     done: torch.cuda.Event | None  # None on the CPU, where the step has already run
 
     @classmethod
-    def start(cls, result: SamplerOutput) -> PendingSamples:
-        if result.token_ids.device.type != "cuda":
-            return cls(result, None)
-        host = SamplerOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in result.fields()))
+    def start(cls, result: SamplerOutput | None, scores: SamplerOutput | None = None) -> PendingSamples:
+        device = (result or scores).token_ids.device
+        if device.type != "cuda":
+            return cls(result, scores, None)
+        host = [None if r is None else SamplerOutput(*(None if t is None else t.to("cpu", non_blocking=True)
+                                                       for t in r.fields())) for r in (result, scores)]
         done = torch.cuda.Event()
         done.record()
-        return cls(host, done)
+        return cls(*host, done)
 
-    def wait(self) -> tuple[list[int], list | None, list | None, list | None]:
-        """(token ids, logprobs, logprob ids, ranks) as lists."""
+    def wait(self) -> tuple[list[int], list | None, list | None, list | None, tuple[list, list, list] | None]:
+        """(token ids, logprobs, logprob ids, ranks) as lists, and the scored prompt tokens' (logprobs,
+        logprob ids, ranks) or None."""
         if self.done is not None:
             self.done.synchronize()
-        return tuple(None if t is None else t.tolist() for t in self.samples.fields())
+        fields = self.samples.fields() if self.samples is not None else ([], None, None, None)
+        scores = None if self.scores is None else tuple(t.tolist() for t in self.scores.fields()[1:])
+        return (*(t if t is None or isinstance(t, list) else t.tolist() for t in fields), scores)
 
 
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -317,12 +323,13 @@ class ModelRunner:
         return parallel.broadcast_tensor(fills)
 
     @torch.inference_mode()
-    def forward(self, inp: StepInputs) -> torch.Tensor | None:
-        """Logits of the sampled rows (None if no row samples). Every rank runs it on the same inputs."""
+    def forward(self, inp: StepInputs) -> tuple[torch.Tensor | None, SamplerOutput | None]:
+        """Logits of the sampled rows (None if no row samples), and the scores of the prompt tokens it
+        scores (prompt_logprobs). Every rank runs it on the same inputs."""
         fills = self._fills(inp)
         logits = self._replay_decode(inp, fills)
         if logits is not None:
-            return logits
+            return logits, None
         hidden = self._replay_prompt(inp, fills) if self._prompt_graphs else None
         if hidden is None:
             meta = self._metadata(self._to_device(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
@@ -330,21 +337,31 @@ class ModelRunner:
             if fills is not None:
                 ids = ids.index_copy(0, self._to_device(inp.fill_rows), fills)
             hidden = self.model(ids, self._to_device(inp.positions), self.kv_caches, meta)
+        scores = self._score_prompt(hidden, inp) if len(inp.score_rows) else None
         if not len(inp.sample_rows):
-            return None
-        return self.model.compute_logits(hidden[self._to_device(inp.sample_rows)])
+            return None, scores
+        return self.model.compute_logits(hidden[self._to_device(inp.sample_rows)]), scores
+
+    def _score_prompt(self, hidden: torch.Tensor, inp: StepInputs) -> SamplerOutput:
+        """Log-probabilities of prompt tokens from the positions before them, a slice of rows at a time:
+        the full-vocabulary logits of a few rows at once fit the headroom the sampler was profiled with."""
+        rows, targets = self._to_device(inp.score_rows), self._to_device(inp.score_targets)
+        step = self.config.max_num_seqs
+        parts = [token_logprobs(self.model.compute_logits(hidden[rows[i:i + step]]), targets[i:i + step], inp.score_top)
+                 for i in range(0, len(rows), step)]
+        return SamplerOutput(*(torch.cat(f) for f in zip(*(p.fields() for p in parts))))
 
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> PendingSamples | None:
         """Launch one step without waiting for it; its sampled tokens (one per sampling row) come back
         through the returned handle."""
-        logits = self.forward(inp)
+        logits, scores = self.forward(inp)
         previous, self._last_tokens = self._last_tokens, None
         if logits is None:
-            return None
+            return None if scores is None else PendingSamples.start(None, scores)
         with torch.inference_mode():
             result = sample(logits, self.sampling_batch(sampling, previous))
         self._last_tokens = result.token_ids
-        return PendingSamples.start(result)
+        return PendingSamples.start(result, scores)
 
     def sampling_batch(self, s: SamplingInputs, previous: torch.Tensor | None = None) -> SamplingBatch:
         """The rows' parameters as device tensors: one upload for the table, one for the noise keys (and

@@ -95,10 +95,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             tokens = gumbel_argmax_reference(x, inv_t, batch.seed_list, ~batch.greedy)
     if batch.num_logprobs < 0:
         return SamplerOutput(tokens)
+    return token_logprobs(logits, tokens, batch.num_logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
+    """Each row's log-probability of its token under the model's logits, that token's rank, and the top k."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
-    top_vals, top_ids = logprobs.topk(batch.num_logprobs, dim=-1)
+    top_vals, top_ids = logprobs.topk(k, dim=-1)
     return SamplerOutput(tokens, torch.cat([chosen, top_vals], 1), torch.cat([tokens.unsqueeze(1), top_ids], 1), ranks)
 
 

@@ -4,7 +4,7 @@ and knows nothing of requests, schedules or block pools."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +22,10 @@ class StepInputs:
     sample_rows: np.ndarray  # [S] int64: rows of the batch whose logits are sampled
     fill_rows: np.ndarray    # [F] int64: entries of ``ids`` whose token the previous step is sampling ...
     fill_from: np.ndarray    # [F] int64: ... and the row of that step's sampled tokens that holds it
+    # prompt_logprobs: rows whose logits score the next prompt token, that token, and the top-N to return
+    score_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))     # [R] int64
+    score_targets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [R] int64
+    score_top: int = 0
 
     @property
     def decode_only(self) -> bool:

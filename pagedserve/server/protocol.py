@@ -56,7 +56,8 @@ class _SamplingFields(_Body):
             logger.warning("The following fields were present in the request but ignored: %s",
                            sorted(self.model_extra))
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """``defaults``: the model's recommended values (generation_config.json) for the fields left unset."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options needs stream: true.")
@@ -65,6 +66,7 @@ class _SamplingFields(_Body):
         return SamplingParams(
             n=self.n, **chosen, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=self._logit_bias(), include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
@@ -85,9 +87,9 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    max_tokens: StrictInt | None = Field(default=16, ge=0)  # 0: only with echo (the prompt's logprobs)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    echo: StrictBool = False
+    echo: StrictBool = False  # the prompt comes back ahead of the completion, with its logprobs if asked
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -99,10 +101,17 @@ class CompletionRequest(_SamplingFields):
             return [p]
         return list(p)
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, as evaluation harnesses ask."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self, defaults: dict) -> SamplingParams:
-        if self.echo:
-            raise InvalidRequestError("echo", "echo is not supported.")
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens", "max_tokens must be at least 1 (0 only with echo: true).")
+        # echo_only still runs the request one token, which its response leaves out
+        return self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, defaults,
+                                     self.logprobs if self.echo else None)
 
 
 class ContentPart(_Body):

@@ -16,10 +16,10 @@ class _Samples:
     def __init__(self, rows: int, ready_at: float | None = None):
         self.rows, self.ready_at = rows, ready_at
 
-    def wait(self) -> tuple[list[int], None, None, None]:
+    def wait(self) -> tuple[list[int], None, None, None, None]:
         if self.ready_at is not None:  # as a device's step: the thread sleeps, the GIL is free meanwhile
             time.sleep(max(0.0, self.ready_at - time.monotonic()))
-        return [0] * self.rows, None, None, None
+        return [0] * self.rows, None, None, None, None
 
 
 class SimulatedWorker:

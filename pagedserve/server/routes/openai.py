@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestOutput
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.server.state import ServerState, server_state
@@ -22,15 +24,32 @@ router = APIRouter()
 async def completions(body: CompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
     model = state.check_model(body.model)
     params = body.sampling_params(state.engine.config.generation.sampling)
+    tokenizer = state.engine.tokenizer
+    if body.echo and tokenizer is None:
+        raise InvalidRequestError("echo", "echo returns the prompt as text, and this model runs without a tokenizer.")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await state.start(rid, body.prompts(), params)
+    if body.echo_only:
+        streams = [_prompt_only(s) for s in streams]
     offsets = [0] * len(streams)  # where each choice's next text starts (logprobs' text_offset)
+    echoed = [not body.echo] * len(streams)  # each choice's prompt goes out once, ahead of its text
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
     def choice(i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        lp, offsets[i] = _completion_logprobs(c, params.logprobs, offsets[i])
-        return {"index": i, "text": c.text, "logprobs": lp,
+        text, lp = c.text, None
+        if not echoed[i]:
+            echoed[i] = True
+            prompt = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+            text = prompt + text
+            if params.prompt_logprobs is not None:
+                lp, offsets[i] = _echo_logprobs(out, tokenizer, params.logprobs, offsets[i])
+        more, offsets[i] = _completion_logprobs(c, params.logprobs, offsets[i])
+        if lp is None or more is None:
+            lp = lp or more
+        else:
+            lp = {key: lp[key] + more[key] for key in lp}
+        return {"index": i, "text": text, "logprobs": lp,
                 "finish_reason": c.finish_reason if out.finished else None,
                 "stop_reason": c.stop_reason if out.finished else None}
 
@@ -142,6 +161,28 @@ def _completion_logprobs(c, n: int | None, offset: int) -> tuple[dict | None, in
         offset += len(tok or "")
     return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in pairs], "text_offset": offsets,
             "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, n)} for _, e in pairs]}, offset
+
+
+def _echo_logprobs(out: RequestOutput, tokenizer, n: int, offset: int) -> tuple[dict, int]:
+    """The prompt's part of echoed completion logprobs: its first token has no logprob (nothing before it)."""
+    ids, entries = out.prompt_token_ids, out.prompt_logprobs
+    tokens = [tokenizer.decode([ids[0]])] + [e[t].decoded_token for t, e in zip(ids[1:], entries[1:])]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok or "")
+    return {"tokens": tokens, "token_logprobs": [None] + [e[t].logprob for t, e in zip(ids[1:], entries[1:])],
+            "text_offset": offsets,
+            "top_logprobs": [None] + [{lp.decoded_token: lp.logprob for lp in _top(e, n)} for e in entries[1:]]}, offset
+
+
+async def _prompt_only(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """A request run for its prompt alone: the token it had to generate is not the client's."""
+    async for out in stream:
+        c = out.outputs[0]
+        bare = dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                                   cumulative_logprob=None if c.logprobs is None else 0.0)
+        yield dataclasses.replace(out, outputs=[bare])
 
 
 def _utf8(token: str | None) -> list[int] | None:
