@@ -309,8 +309,10 @@ def test_bench_quality_compares_caches_and_gives_a_verdict(tmp_path, capsys):
     assert e.value.code == 1
     result = json.loads(out.read_text())
     assert result["kv_cache_dtype"] == "fp8" and result["num_prompts"] == 4 and not result["passed"]
+    assert 0 < abs(result["perplexity"] / result["reference_perplexity"] - 1) < 0.02  # fp8 moves it, a little
     assert "Verdict: FAIL" in capsys.readouterr().out
     main(["bench", "quality", "tiny", "--kv-cache-memory", "16MiB", "--num-prompts", "4", "--max-tokens", "16",
           "--kv-cache-dtype", "float32", "--reference-kv-cache-dtype", "auto", "--output-json", str(out)])
     same = json.loads(out.read_text())  # auto is float32 on the CPU: the same cache agrees exactly
     assert same["passed"] and same["agreement"] == 1.0 and same["mean_abs_logprob_diff"] == 0.0
+    assert same["perplexity"] == same["reference_perplexity"] > 1.0

@@ -165,7 +165,7 @@ def cmd_bench_quality(ns: argparse.Namespace) -> None:
     from pagedserve.args import engine_args_from
 
     result = run_quality(engine_args_from(ns), ns.reference_kv_cache_dtype, ns.num_prompts, ns.max_tokens,
-                         ns.top_logprobs, ns.min_agreement, ns.max_logprob_diff)
+                         ns.top_logprobs, ns.min_agreement, ns.max_logprob_diff, ns.max_perplexity_increase)
     print(result.text())
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(dataclasses.asdict(result), indent=2))
@@ -306,6 +306,9 @@ def add_bench_parser(sub) -> None:
                    help="Pass needs at least this share of each completion identical before the first divergence.")
     g.add_argument("--max-logprob-diff", type=float, default=0.05,
                    help="Pass needs the mean |Δ logprob| of the chosen tokens at or below this.")
+    g.add_argument("--max-perplexity-increase", type=float, default=0.02,
+                   help="Pass needs the candidate's perplexity on the reference's completions at most this much "
+                        "above the reference's own (0.02: 2 %%).")
     g.add_argument("--output-json", default=None)
     q.set_defaults(func=cmd_bench_quality)
 

@@ -7,7 +7,10 @@ with the reference token by token.
 - first divergence: where the first differing token sits, for the prompts that diverge;
 - |Δ logprob|: of the chosen token, at the positions both engines reached with the same context (after a
   divergence the contexts differ and a comparison would mean nothing);
-- top-k overlap: the share of the reference's top-k tokens the candidate also ranks in its top k there.
+- top-k overlap: the share of the reference's top-k tokens the candidate also ranks in its top k there;
+- perplexity: of the reference's completions, teacher-forced (each engine scores the same prompt +
+  completion as a prompt), so every position has the same context on both and no divergence hides a
+  difference.
 
 On random (dummy) weights this measures numerical agreement only, not language quality: run it on the
 real checkpoint before an fp8 cache goes into a profile.
@@ -57,9 +60,16 @@ class QualityResult:
     mean_abs_logprob_diff: float
     max_abs_logprob_diff: float
     top_k_overlap: float
+    reference_perplexity: float
+    perplexity: float
     min_agreement: float
     max_logprob_diff: float
+    max_perplexity_increase: float
     passed: bool
+
+    @property
+    def perplexity_increase(self) -> float:
+        return self.perplexity / self.reference_perplexity - 1.0
 
     def text(self) -> str:
         div = "none" if self.mean_first_divergence is None else f"token {self.mean_first_divergence:.1f} on average"
@@ -73,14 +83,20 @@ class QualityResult:
             f"  mean |Δ logprob|:          {self.mean_abs_logprob_diff:.4f} (threshold <= {self.max_logprob_diff:g}); "
             f"max {self.max_abs_logprob_diff:.4f}",
             f"  top-k overlap:             {100 * self.top_k_overlap:.1f} %",
+            f"  perplexity (teacher-forced on the reference's completions): {self.perplexity:.4g} against "
+            f"{self.reference_perplexity:.4g}, {100 * self.perplexity_increase:+.2f} % (threshold <= "
+            f"{100 * self.max_perplexity_increase:+.1f} %)",
             f"Verdict: {verdict}" + ("" if self.passed else ": keep the 16-bit cache, or re-check on the real "
                                                             "checkpoint with calibrated scales"),
         ])
 
 
-def _run(args, prompts: list | None, num_prompts: int, max_tokens: int, top_k: int):
-    """Generate on one engine and free it; ``prompts`` None: the fixed set, as text if the engine has a
-    tokenizer, else as fixed random token ids (ids under 256 exist in every vocabulary)."""
+def _run(args, prompts: list | None, num_prompts: int, max_tokens: int, top_k: int,
+         texts: list[tuple[list[int], int]] | None = None):
+    """Generate on one engine, score ``texts`` (token ids, where the scored part starts; None: this engine's
+    own prompts and completions), and free it. ``prompts`` None: the fixed set, as text if the engine has a
+    tokenizer, else as fixed random token ids (ids under 256 exist in every vocabulary). Returns the
+    completions (token ids, logprobs), the prompts, the texts and their mean negative log-likelihood."""
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(**dataclasses.asdict(args))
@@ -91,7 +107,13 @@ def _run(args, prompts: list | None, num_prompts: int, max_tokens: int, top_k: i
                        else [rng.integers(0, NO_TOKENIZER_VOCAB, size=24).tolist() for _ in range(num_prompts)])
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=top_k)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], prompts
+        if texts is None:
+            texts = [(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids)) for o in outs]
+        scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        scored = llm.generate([ids for ids, _ in texts], scoring, use_tqdm=False)
+        nll = [-s.prompt_logprobs[i][ids[i]].logprob for s, (ids, start) in zip(scored, texts)
+               for i in range(start, len(ids))]
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], prompts, texts, float(np.mean(nll))
     finally:
         llm.shutdown()
         del llm
@@ -127,7 +149,7 @@ def compare(reference, candidate, top_k: int) -> dict:
 
 
 def run_quality(args, reference_dtype: str, num_prompts: int, max_tokens: int, top_k: int,
-                min_agreement: float, max_logprob_diff: float) -> QualityResult:
+                min_agreement: float, max_logprob_diff: float, max_perplexity_increase: float) -> QualityResult:
     """Run the reference engine, free it, run the candidate on the same prompts, compare."""
     if args.kv_cache_dtype == reference_dtype:
         raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype} is the reference itself "
@@ -139,9 +161,13 @@ def run_quality(args, reference_dtype: str, num_prompts: int, max_tokens: int, t
     ref_args = dataclasses.replace(args, kv_cache_dtype=reference_dtype)
     ref_args.create_config()  # a bad flag fails before any model loads
     args.create_config()
-    reference, prompts = _run(ref_args, None, num_prompts, max_tokens, top_k)
-    candidate, _ = _run(args, prompts, num_prompts, max_tokens, top_k)
+    reference, prompts, texts, ref_nll = _run(ref_args, None, num_prompts, max_tokens, top_k)
+    candidate, _, _, nll = _run(args, prompts, num_prompts, max_tokens, top_k, texts)
     figures = compare(reference, candidate, top_k)
-    passed = figures["agreement"] >= min_agreement and figures["mean_abs_logprob_diff"] <= max_logprob_diff
+    ppl_ref, ppl = float(np.exp(ref_nll)), float(np.exp(nll))
+    passed = (figures["agreement"] >= min_agreement and figures["mean_abs_logprob_diff"] <= max_logprob_diff
+              and ppl / ppl_ref - 1.0 <= max_perplexity_increase)
     return QualityResult(reference_dtype, args.kv_cache_dtype, len(reference), max_tokens, **figures,
-                         min_agreement=min_agreement, max_logprob_diff=max_logprob_diff, passed=passed)
+                         reference_perplexity=ppl_ref, perplexity=ppl, min_agreement=min_agreement,
+                         max_logprob_diff=max_logprob_diff, max_perplexity_increase=max_perplexity_increase,
+                         passed=passed)

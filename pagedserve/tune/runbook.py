@@ -152,8 +152,8 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
         add("")
         add("Manual steps (need a restart; never applied live): "
             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in protect.restart.items())
-            + f". Validate first: `pagedserve bench quality {model} --kv-cache-dtype fp8` compares greedy tokens and "
-              "logprobs against the 16-bit cache and prints a verdict.")
+            + f". Validate first: `pagedserve bench quality {model} --kv-cache-dtype fp8` compares greedy tokens, "
+              "logprobs and perplexity against the 16-bit cache and prints a verdict.")
     add("")
     add("## Returning to normal")
     add("")
