@@ -8,7 +8,8 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from starlette.datastructures import Headers
 
 import pagedserve
 from pagedserve.server.async_engine import AsyncEngine, EngineDeadError
@@ -61,6 +62,37 @@ class BodySizeLimit:
         await self.app(scope, counted, send_unless_refused)
 
 
+class Gate:
+    """The key on every route but the public ones; then a full server refuses a generation call before its
+    body is even parsed. Plain ASGI: a response's chunks pass straight through (Starlette's
+    ``BaseHTTPMiddleware`` would relay every streamed token through a task and a memory stream)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            return await error_response(refusal)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> APIError | None:
+        path, key = scope["path"], self.state.settings.api_key
+        if key and path not in PUBLIC_PATHS:
+            header = Headers(scope=scope).get("authorization", "")
+            given = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return APIError(401, "Invalid or missing API key (Authorization: Bearer <key>).", "AuthenticationError")
+        if path in GENERATE_PATHS and scope["method"] == "POST":
+            try:
+                self.state.admission.check_room(1)
+            except APIError as e:
+                return e
+            except EngineDeadError as e:
+                return APIError(503, str(e), "ServiceUnavailableError")
+        return None
+
+
 async def log_stats(state: ServerState) -> None:
     """vLLM's periodic line: throughputs over the interval, queue, KV usage, preemptions."""
     engine, interval = state.engine, state.settings.log_stats_interval
@@ -101,27 +133,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.engine, app.state.metrics = engine, state.metrics
     install_handlers(app)
 
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        """The key on every route but the public ones; then a full server refuses a generation call before
-        its body is even parsed."""
-        path = request.url.path
-        if settings.api_key and path not in PUBLIC_PATHS:
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
-                return error_response(APIError(401, "Invalid or missing API key (Authorization: Bearer <key>).",
-                                               "AuthenticationError"))
-        if path in GENERATE_PATHS and request.method == "POST":
-            try:
-                state.admission.check_room(1)
-            except APIError as e:
-                return error_response(e)
-            except EngineDeadError as e:
-                return error_response(APIError(503, str(e), "ServiceUnavailableError"))
-        return await call_next(request)
-
-    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)
+    app.add_middleware(Gate, state=state)
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)  # the outer one
 
     app.include_router(openai.router)
     app.include_router(ops.router)

@@ -18,6 +18,13 @@ def sse(obj: dict) -> str:
 
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs (one per prompt); closing it aborts all of them."""
+    if len(streams) == 1:  # the common call: no task and no second queue between the engine and the client
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
     q: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -37,9 +37,9 @@ from pagedserve.sim.cost import Calibration, CostModel, graph_caps, step_kind, s
 _WARMUPS, _REPEATS = 2, 5
 _HOST_LEVELS = (1, 4, 16, 64, 256)  # requests in flight at which the server's host work is timed
 # a worker whose steps take no time: the server around it then runs as fast as its host allows
-_FREE = CostModel(breakpoint=1, per_token=0, per_context=0, per_prefill_work=0, fixed=0, eager_floor=0,
+FREE_STEPS = CostModel(breakpoint=1, per_token=0, per_context=0, per_prefill_work=0, fixed=0, eager_floor=0,
                   mixed_floor=0, single=0)
-_PACED = dataclasses.replace(_FREE, fixed=2e-3, single=2e-3)  # ... and one whose steps take 2 ms each
+_PACED = dataclasses.replace(FREE_STEPS, fixed=2e-3, single=2e-3)  # ... and one whose steps take 2 ms each
 
 
 def synthetic_step(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, vocab: int,
@@ -184,7 +184,7 @@ def calibrate(args, log=print) -> Calibration:
         worker.shutdown()
     # the host: steps that cost nothing, so each lasts what the server's own work takes
     serving = args.create_config(serving=True)
-    host = bench_server(serving, budget, _FREE, _HOST_LEVELS, log)
+    host = bench_server(serving, budget, FREE_STEPS, _HOST_LEVELS, log)
     cost = cost.with_host(host)
     # the way in: one request at a time over steps of a device's length (the server's threads then
     # share the GIL as they do over a GPU)

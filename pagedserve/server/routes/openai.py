@@ -178,11 +178,14 @@ def _echo_logprobs(out: RequestOutput, tokenizer, n: int, offset: int) -> tuple[
 
 async def _prompt_only(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
     """A request run for its prompt alone: the token it had to generate is not the client's."""
-    async for out in stream:
-        c = out.outputs[0]
-        bare = dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
-                                   cumulative_logprob=None if c.logprobs is None else 0.0)
-        yield dataclasses.replace(out, outputs=[bare])
+    try:
+        async for out in stream:
+            c = out.outputs[0]
+            bare = dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                                       cumulative_logprob=None if c.logprobs is None else 0.0)
+            yield dataclasses.replace(out, outputs=[bare])
+    finally:
+        await stream.aclose()  # closed early (a client gone): so is the request
 
 
 def _utf8(token: str | None) -> list[int] | None:

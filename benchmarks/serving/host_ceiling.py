@@ -1,0 +1,46 @@
+"""The output tokens a second the server's own host work allows: a real server (uvicorn on loopback) over a
+worker whose steps cost nothing, driven by `bench serve` in its own process at a few levels of requests in
+flight. Everything measured is Python: the HTTP layer, streaming, detokenizing, scheduling, step arrays.
+Where the device's step is shorter than this host time a step, the host bounds the server.
+
+python -m benchmarks.serving.host_ceiling [--model Qwen/Qwen3-0.6B] [--in-flight 16,64] [--repeats 3]
+(CPU is enough; the client shares the machine's cores with the server, so compare runs on one machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from pagedserve.config import EngineArgs
+from pagedserve.model.worker import Worker
+from pagedserve.sim.calibrate import FREE_STEPS, bench_server
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="Qwen/Qwen3-0.6B")
+    p.add_argument("--in-flight", default="16,64")
+    p.add_argument("--repeats", type=int, default=3)
+    ns = p.parse_args()
+    args = EngineArgs(model=ns.model, load_format="dummy", max_model_len=2048, max_num_seqs=256,
+                      kv_cache_memory="2GiB", device="cpu")
+    worker = Worker(args.create_config())  # only for its memory budget, which the priced worker reports
+    budget = worker.budget
+    worker.shutdown()
+    levels = [int(c) for c in ns.in_flight.split(",")]
+    rates: dict[int, list[float]] = {c: [] for c in levels}
+    steps: dict[int, list[float]] = {c: [] for c in levels}
+    for _ in range(ns.repeats):
+        for run in bench_server(args.create_config(serving=True), budget, FREE_STEPS, levels, log=lambda *a: None):
+            rates[run["in_flight"]].append(run["seqs"] / run["seconds"])
+            steps[run["in_flight"]].append(run["seqs"])
+    print(f"{'in flight':>9}  {'requests a step':>15}  {'output tok/s (median, min-max)':>32}")
+    for c in levels:
+        r = rates[c]
+        print(f"{c:>9}  {np.median(steps[c]):>15.1f}  {np.median(r):>14,.0f} ({min(r):,.0f}-{max(r):,.0f})")
+
+
+if __name__ == "__main__":
+    main()
