@@ -108,10 +108,14 @@ class BlockPool:
         """Grow the request's table so ``num_new_tokens`` more tokens fit, first taking the ``cached``
         prefix blocks from ``lookup`` (for a request that holds no blocks yet). False, with nothing
         changed, if the pool has too few free blocks."""
-        rid = request.request_id
+        rid, bs = request.request_id, self.block_size
         held = self._lens.get(rid, 0) + len(cached)
-        total = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        need = max(0, -(-total // self.block_size) - held)
+        total = request.num_computed_tokens + len(cached) * bs + num_new_tokens
+        need = max(0, -(-total // bs) - held)
+        if not need and not cached:  # room in the blocks it holds (most decode steps): name any block filled
+            if self.enable_prefix_caching and min(total, request.num_tokens) // bs > self._hashed.get(rid, (0,))[0]:
+                self._register_full_blocks(request, total)
+            return True
         revived = sum(1 for b in cached if self._refs[b] == 0)  # cached blocks now sitting in the free list
         if need + revived > len(self._free):
             return False
