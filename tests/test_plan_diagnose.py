@@ -84,10 +84,16 @@ def test_plan_cli_json_and_exit_code(capsys):
 # ------------------------------------------------------------------ diagnose on recorded series
 
 
-def metrics_text(running, waiting, kv, preemptions, ttft_sum, ttft_count, itl_sum, itl_count) -> str:
-    """A scrape in vLLM's exposition format (labels included), as recorded from a server."""
+def metrics_text(running, waiting, kv, preemptions, ttft_sum, ttft_count, itl_sum, itl_count, *more) -> str:
+    """A scrape in vLLM's exposition format (labels included), as recorded from a server; ``more``: the
+    prefill-time and tokens-a-step histograms' (sum, count) pairs."""
     lab = '{engine="0",model_name="m"}'
-    return "\n".join([
+    extra = []
+    for name, (total, n) in zip(("vllm:request_prefill_time_seconds", "vllm:iteration_tokens_total"),
+                                zip(more[::2], more[1::2])):
+        extra += [f"# TYPE {name} histogram", f'{name}_bucket{{engine="0",le="+Inf",model_name="m"}} {n}',
+                  f"{name}_count{lab} {n}", f"{name}_sum{lab} {total}"]
+    return "\n".join([*extra,
         "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{lab} {running}",
         "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{lab} {waiting}",
         "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{lab} {kv}",
@@ -126,9 +132,12 @@ def test_diagnose_queueing_at_the_sequence_cap():
 
 
 def test_diagnose_token_budget_bound():
-    rows = [(6, 5, 0.3, 0, 2.0 * (i + 1), i + 1, 0.02 * 40 * i, 40 * i) for i in range(6)]
+    # 1.9 s of each 2 s TTFT in prefill; steps of 4,000 tokens on average
+    rows = [(6, 5, 0.3, 0, 2.0 * (i + 1), i + 1, 0.02 * 40 * i, 40 * i, 1.9 * (i + 1), i + 1, 4000.0 * 10 * i, 10 * i)
+            for i in range(6)]
     d = diagnose(series(rows), max_num_seqs=64)
     assert d.situation == 3 and "--max-num-batched-tokens" in d.first_change and "token budget" in d.title
+    assert "mean prefill time 1900.0 ms" in d.text() and "mean tokens a step 4000" in d.text()
 
 
 def test_diagnose_itl_rising_without_queue():

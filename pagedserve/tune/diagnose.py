@@ -30,6 +30,10 @@ _NAMES = {
     "vllm:time_per_output_token_seconds_count": "itl_count",
     "vllm:request_queue_time_seconds_sum": "queue_sum",
     "vllm:request_queue_time_seconds_count": "queue_count",
+    "vllm:request_prefill_time_seconds_sum": "prefill_sum",
+    "vllm:request_prefill_time_seconds_count": "prefill_count",
+    "vllm:iteration_tokens_total_sum": "step_tokens_sum",
+    "vllm:iteration_tokens_total_count": "step_tokens_count",
 }
 
 
@@ -82,6 +86,12 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
             evidence.append(f"mean {name} {1000 * a:.1f} ms -> {1000 * b:.1f} ms (first half -> second half)")
     if queue is not None:
         evidence.append(f"mean queue time {1000 * queue:.1f} ms")
+    prefill = _mean(samples, "prefill_sum", "prefill_count")
+    if prefill is not None:
+        evidence.append(f"mean prefill time {1000 * prefill:.1f} ms (first scheduled to first token)")
+    step_tokens = _mean(samples, "step_tokens_sum", "step_tokens_count")
+    if step_tokens is not None:
+        evidence.append(f"mean tokens a step {step_tokens:.0f} (the step's token budget bounds it)")
 
     if preempted > 0 or kv_peak >= KV_FULL:
         return Diagnosis(2, "KV-cache / context pressure (the kind that ends in OOM or preemption storms)",
