@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU (gloo): two ranks give the same greedy tokens as one."""
+"""Tensor parallelism on CPU (gloo): two ranks give the same greedy tokens (and prompt logprobs) as one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from pagedserve.config import EngineArgs
 from pagedserve.errors import ConfigError
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(30, 70)), [7] * 12]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# greedy; one row scoring its prompt (the scored rows' logits are gathered over the ranks too), one penalized
+GREEDY = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2),
+          SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+          SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -24,6 +27,8 @@ def test_two_ranks_match_one(arch, checkpoints):
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in single]
+    scores = [[e[t].logprob for e, t in zip(o.prompt_logprobs[1:], PROMPTS[0][1:])] for o in (single[0], sharded[0])]
+    assert scores[0] == pytest.approx(scores[1], abs=1e-5) and len(scores[0]) == len(PROMPTS[0]) - 1
 
 
 def test_tensor_parallel_size_must_divide_the_model():
