@@ -37,18 +37,16 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
 
     def choice(i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        text, lp = c.text, None
+        text, ids, entries, first = c.text, c.token_ids, c.logprobs, None
         if not echoed[i]:
             echoed[i] = True
-            prompt = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
-            text = prompt + text
-            if params.prompt_logprobs is not None:
-                lp, offsets[i] = _echo_logprobs(out, tokenizer, params.logprobs, offsets[i])
-        more, offsets[i] = _completion_logprobs(c, params.logprobs, offsets[i])
-        if lp is None or more is None:
-            lp = lp or more
-        else:
-            lp = {key: lp[key] + more[key] for key in lp}
+            text = (out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)) + text
+            if entries is not None:  # the prompt's logprobs ahead of the completion's
+                ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
+                first = tokenizer.decode(out.prompt_token_ids[:1])
+        lp = None
+        if entries is not None:
+            lp, offsets[i] = _completion_logprobs(ids, entries, params.logprobs, offsets[i], first)
         return {"index": i, "text": text, "logprobs": lp,
                 "finish_reason": c.finish_reason if out.finished else None,
                 "stop_reason": c.stop_reason if out.finished else None}
@@ -148,32 +146,21 @@ def _top(entry: dict, n: int) -> list:
     return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= n), key=lambda lp: lp.rank)
 
 
-def _completion_logprobs(c, n: int | None, offset: int) -> tuple[dict | None, int]:
-    """OpenAI's completion logprobs and where the next token's text starts: offsets count the tokens' text
-    (a streamed chunk's text may hold back part of a character), continuing from ``offset``."""
-    if c.logprobs is None:
-        return None, offset
-    pairs = list(zip(c.token_ids, c.logprobs))
-    tokens = [e[t].decoded_token for t, e in pairs]
+def _completion_logprobs(ids: list[int], entries: list, n: int | None, offset: int,
+                         first_text: str | None = None) -> tuple[dict, int]:
+    """OpenAI's completion logprobs of tokens ``ids`` and where the next token's text starts: offsets count
+    the tokens' text (a streamed chunk's text may hold back part of a character), continuing from
+    ``offset``. An entry None (a prompt's first token: nothing before it) has no logprob; its text is
+    ``first_text``."""
+    tokens = [first_text if e is None else e[t].decoded_token for t, e in zip(ids, entries)]
     offsets = []
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok or "")
-    return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in pairs], "text_offset": offsets,
-            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, n)} for _, e in pairs]}, offset
-
-
-def _echo_logprobs(out: RequestOutput, tokenizer, n: int, offset: int) -> tuple[dict, int]:
-    """The prompt's part of echoed completion logprobs: its first token has no logprob (nothing before it)."""
-    ids, entries = out.prompt_token_ids, out.prompt_logprobs
-    tokens = [tokenizer.decode([ids[0]])] + [e[t].decoded_token for t, e in zip(ids[1:], entries[1:])]
-    offsets = []
-    for tok in tokens:
-        offsets.append(offset)
-        offset += len(tok or "")
-    return {"tokens": tokens, "token_logprobs": [None] + [e[t].logprob for t, e in zip(ids[1:], entries[1:])],
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e[t].logprob for t, e in zip(ids, entries)],
             "text_offset": offsets,
-            "top_logprobs": [None] + [{lp.decoded_token: lp.logprob for lp in _top(e, n)} for e in entries[1:]]}, offset
+            "top_logprobs": [None if e is None else {lp.decoded_token: lp.logprob for lp in _top(e, n)}
+                             for e in entries]}, offset
 
 
 async def _prompt_only(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
