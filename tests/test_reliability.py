@@ -67,6 +67,11 @@ CMPL = "/v1/completions"
      400, "--trust-request-chat-template"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
      "add_generation_prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
+     "Structured output"),
+    (CMPL, {"prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided decoding"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "Tool calling"),
 ])
 def test_bad_input_is_a_clear_4xx(server, path, body, status, fragment):
     assert fragment in error(post(server[0], path, body), status)["message"]
@@ -84,6 +89,9 @@ def test_unknown_fields_are_accepted_and_named_in_a_warning(server, caplog):
     r = post(server[0], CMPL, {"prompt": "hi", "max_tokens": 2, "frobnicate": 3, "user": "u1"})
     assert r.status_code == 200
     assert "ignored: ['frobnicate', 'user']" in caplog.text
+    plain = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": {"type": "text"},
+             "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}
+    assert post(server[0], CHAT, plain).status_code == 200  # asks for nothing this server cannot do
 
 
 def test_huge_bodies_are_refused_at_once_and_the_server_stays_responsive(server):

@@ -12,6 +12,8 @@ from pagedserve.sampling_params import SamplingParams
 
 
 INT64 = (-(2**63), 2**63 - 1)
+# vLLM's guided-decoding fields: refused rather than ignored, so no client takes free text for constrained output
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 INT32_MAX = 2**31 - 1
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class _SamplingFields(_Body):
         """``defaults``: the model's recommended values (generation_config.json) for the fields left unset."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options needs stream: true.")
+        self._refuse_constraints()
         unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
         chosen = {k: v if (v := getattr(self, k)) is not None else defaults.get(k, neutral) for k, neutral in unset.items()}
         return SamplingParams(
@@ -70,6 +73,23 @@ class _SamplingFields(_Body):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=self._logit_bias(), include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
+
+    def _refuse_constraints(self) -> None:
+        """Structured output and tool calls are not produced here: asking for them is a 400, not a silence."""
+        extra = self.model_extra or {}
+        fmt = extra.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise InvalidRequestError("response_format", "Structured output (a response_format other than "
+                                      "{\"type\": \"text\"}) is not supported by this server: nothing would hold "
+                                      "the output to the format. Leave response_format out.")
+        for name in GUIDED:
+            if extra.get(name) is not None:
+                raise InvalidRequestError(name, f"{name} (guided decoding) is not supported by this server; leave it "
+                                                f"out.")
+        if extra.get("tools") and extra.get("tool_choice", "auto") != "none":
+            raise InvalidRequestError("tool_choice", "Tool calling is not supported by this server: tool calls would "
+                                                     "come back as plain text. Leave out tools, or set tool_choice "
+                                                     "to \"none\".")
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
