@@ -1,7 +1,8 @@
 """The output tokens a second the server's own host work allows: a real server (uvicorn on loopback) over a
 worker whose steps cost nothing, driven by `bench serve` in its own process at a few levels of requests in
 flight. Everything measured is Python: the HTTP layer, streaming, detokenizing, scheduling, step arrays.
-Where the device's step is shorter than this host time a step, the host bounds the server.
+Where the device's step is shorter than this host time a step, the host bounds the server. The server's
+CPU time a token (all its threads; the client is another process) is the steadier figure.
 
 python -m benchmarks.serving.host_ceiling [--model Qwen/Qwen3-0.6B] [--in-flight 16,64] [--repeats 3]
 (CPU is enough; the client shares the machine's cores with the server, so compare runs on one machine)
@@ -32,14 +33,17 @@ def main() -> None:
     levels = [int(c) for c in ns.in_flight.split(",")]
     rates: dict[int, list[float]] = {c: [] for c in levels}
     steps: dict[int, list[float]] = {c: [] for c in levels}
+    cpu: dict[int, list[float]] = {c: [] for c in levels}
     for _ in range(ns.repeats):
         for run in bench_server(args.create_config(serving=True), budget, FREE_STEPS, levels, log=lambda *a: None):
             rates[run["in_flight"]].append(run["seqs"] / run["seconds"])
             steps[run["in_flight"]].append(run["seqs"])
-    print(f"{'in flight':>9}  {'requests a step':>15}  {'output tok/s (median, min-max)':>32}")
+            cpu[run["in_flight"]].append(run["cpu_per_token"] * 1e6)
+    print(f"{'in flight':>9}  {'requests a step':>15}  {'output tok/s (median, min-max)':>32}  {'server CPU µs a token':>22}")
     for c in levels:
         r = rates[c]
-        print(f"{c:>9}  {np.median(steps[c]):>15.1f}  {np.median(r):>14,.0f} ({min(r):,.0f}-{max(r):,.0f})")
+        print(f"{c:>9}  {np.median(steps[c]):>15.1f}  {np.median(r):>14,.0f} ({min(r):,.0f}-{max(r):,.0f})  "
+              f"{np.median(cpu[c]):>22.1f}")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,12 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         refuse = error_response(APIError(413, too_large(self.limit), "RequestTooLargeError"))
         announced = dict(scope["headers"]).get(b"content-length")
-        if announced is not None and announced.isdigit() and int(announced) > self.limit:
-            return await refuse(scope, receive, send)
+        if announced is not None and announced.isdigit():
+            if int(announced) > self.limit:
+                return await refuse(scope, receive, send)
+            # the server reads no more than the announced length: nothing to count, and every token the
+            # response streams goes straight out
+            return await self.app(scope, receive, send)
         seen, refused = 0, False
 
         async def counted():

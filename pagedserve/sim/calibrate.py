@@ -132,7 +132,7 @@ def bench_server(config, budget, cost: CostModel, levels, log=print) -> list[dic
     runs = []
     with serving_in_thread(server), tempfile.TemporaryDirectory() as tmp:
         for c in [n for n in levels if n <= config.max_num_seqs]:
-            steps, tokens = counters.num_steps, counters.generation_tokens
+            steps, tokens, cpu = counters.num_steps, counters.generation_tokens, time.process_time()
             prompts = max(8, 2 * c)
             run = bench_serve(f"http://127.0.0.1:{port}", [
                 "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(prompts),
@@ -140,7 +140,8 @@ def bench_server(config, budget, cost: CostModel, levels, log=print) -> list[dic
             steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
             runs.append({"seqs": tokens / steps, "seconds": run["duration"] / steps, "in_flight": c,
                          "input_len": in_len, "output_len": out_len, "prompts": prompts,
-                         "median_ttft": run["median_ttft_ms"] / 1e3})
+                         "median_ttft": run["median_ttft_ms"] / 1e3,
+                         "cpu_per_token": (time.process_time() - cpu) / tokens})  # the server's threads
             log(f"server over a worker of {1e3 * cost.fixed:g} ms steps, {c} in flight: {tokens / steps:.1f} requests "
                 f"a step, {1e3 * run['duration'] / steps:.3f} ms a step, median TTFT {run['median_ttft_ms']:.1f} ms")
     return runs
