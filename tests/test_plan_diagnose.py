@@ -146,7 +146,14 @@ def test_diagnose_itl_rising_without_queue():
         itl_sum += 100 * (0.02 if i < 4 else 0.2)
         rows.append((8, 0, 0.4, 0, 0.5 * (i + 1), i + 1, itl_sum, 100 * (i + 1)))
     d = diagnose(series(rows), max_num_seqs=64)
-    assert d.situation == 3 and "CPU scheduling" in d.title
+    assert d.situation == 3 and "CPU scheduling" in d.title and "--max-mixed-prefill-tokens" in d.first_change
+    # the same on a GPU server whose engine waited on the GPU 2 % of the time: the host is named, not prompts
+    samples = series(rows)
+    for s in samples:
+        s.update(parse_sample(f'pagedserve:device_wait_seconds_total{{engine="0"}} {0.02 * s["t"]}\n', s["t"]))
+    d = diagnose(samples, max_num_seqs=64)
+    assert "GPU idles between steps" in d.title and "--max-num-seqs" in d.first_change
+    assert "waited on the GPU 2 % of the window" in d.text()
 
 
 def test_diagnose_healthy():

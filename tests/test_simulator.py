@@ -166,6 +166,8 @@ def test_a_step_lasts_the_longer_of_the_device_and_the_host():
     assert one["mean_itl_ms"] == pytest.approx(10.0)
     four = simulate_load(config, budget, slow_host, [SampleRequest(list(range(16)), 16, 5)] * 4)
     assert four["mean_itl_ms"] == pytest.approx(14.0) and four["mean_ttft_ms"] == pytest.approx(14.0)
+    # the host waits 5 of one request's 10 ms steps for the device, and never with four
+    assert one["server_device_wait_share"] == pytest.approx(0.5) and four["server_device_wait_share"] == 0.0
 
 
 def tiny_calibration(tmp_path) -> str:

@@ -107,6 +107,17 @@ def test_kneedle_is_reported_but_places_the_knee_only_when_enabled():
     assert kneedle([1, 2, 4, 8], [1, 2, 3, 4]) is None  # a straight line over log2(load) has no bend
 
 
+def test_a_host_bound_knee_says_so():
+    """The engine waited on the GPU less and less: at the knee the GPU idles between steps, and the reason
+    names the host; the host signal alone places no knee."""
+    rungs = ladder([100, 195, 380, 700, 1000, 1040], server_device_wait_share=[0.9, 0.85, 0.7, 0.4, 0.12, 0.03])
+    res = find_knee(rungs, LOADS, KneeSettings())
+    assert res.knee == 5 and "waited on the GPU 3 % of the time" in res.reason and "(the engine" in res.reason
+    assert [s.rung for s in res.signals if s.name == "host"] == [5] and not res.signals[-1].enabled
+    flat = ladder([100, 200, 400, 800, 1600, 3200], server_device_wait_share=[0.05] * 6)
+    assert find_knee(flat, LOADS, KneeSettings()).knee is None
+
+
 def test_gain_per_doubling_scales_uneven_ladders():
     assert gain_per_doubling(100, 200, 1, 2) == pytest.approx(1.0)
     assert gain_per_doubling(100, 400, 1, 4) == pytest.approx(1.0)  # x4 over two doublings: x2 per doubling
@@ -128,6 +139,19 @@ def test_settings_and_plan_errors_name_the_flag():
     plan = SweepPlan("concurrency", [1, 8, 64])
     assert [plan.prompts(x) for x in plan.loads] == [16, 32, 256]
     assert [SweepPlan("rate", [0.5, 8]).prompts(x) for x in (0.5, 8)] == [16, 80]
+
+
+def test_the_share_of_a_run_the_engine_waited_on_the_gpu_comes_from_its_counter():
+    from pagedserve.bench.serve import MetricsScraper, SCRAPED
+    from pagedserve.bench.metrics import scrape_values
+
+    scraper = MetricsScraper("http://unused", 1.0, {})
+    for t, waited in ((10.0, 2.0), (12.0, 2.5), (14.0, 3.0)):
+        text = f'pagedserve:device_wait_seconds_total{{engine="0",model_name="m"}} {waited}\n'
+        scraper.samples.append({"t": t, **scrape_values(text, SCRAPED)})
+    assert scraper.summary()["server_device_wait_share"] == pytest.approx(0.25)  # 1 s of 4
+    scraper.samples = [{"t": 1.0}, {"t": 2.0}]  # a CPU server, or vLLM: no counter, no figure
+    assert scraper.summary()["server_device_wait_share"] is None
 
 
 def test_repeats_aggregate_counts_peaks_and_medians():

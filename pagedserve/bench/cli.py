@@ -209,7 +209,7 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
     k.add_argument("--knee-max-failure-rate", type=float, default=0.0,
                    help="Knee when more than this fraction of a rung's requests fail.")
     k.add_argument("--knee-signals", default="throughput,latency,preemption,kv_cache,failures,slo",
-                   help="Signals that can place the knee (kneedle too, if listed).")
+                   help="Signals that can place the knee (kneedle and host too, if listed).")
     p.add_argument("--result-dir", default=None, help="Where the artefacts go (default results/<command>-DATE).")
     p.add_argument("--disable-tqdm", action="store_true")
 

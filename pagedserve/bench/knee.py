@@ -17,7 +17,10 @@ and failed no request:
 - ``slo``: a user SLO (``--slo ttft_p95=500``) is broken;
 - ``kneedle``: the point of greatest curvature of throughput over log2(load) (Satopaa et al., 2011). Off by
   default: with six to nine rungs it finds a bend even in a straight line's noise, so it is reported, not
-  trusted alone.
+  trusted alone;
+- ``host``: the engine waited on the GPU for less than ``HOST_BOUND`` of the rung's time, so the GPU idled
+  between steps: the server's host work (Python scheduling, streaming) bounds it. Off by default: it
+  names a cause rather than a knee, and the knee's reason carries it when it fires there.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pagedserve.errors import ConfigError
 from pagedserve.bench.metrics import KV_FULL
 
-SIGNALS = ("throughput", "latency", "preemption", "kv_cache", "failures", "slo", "kneedle")
-DEFAULT_SIGNALS = SIGNALS[:-1]
+SIGNALS = ("throughput", "latency", "preemption", "kv_cache", "failures", "slo", "kneedle", "host")
+DEFAULT_SIGNALS = SIGNALS[:-2]
+HOST_BOUND = 0.10  # below this share of a rung's time waiting on the GPU, the host bounds the steps
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_STATS = {"mean": "mean", "p50": "p50", "median": "p50", "p95": "p95", "p99": "p99"}
 LATENCY_METRICS = ("itl", "e2el")
@@ -170,6 +174,10 @@ def find_knee(rungs: list[dict], loads: list[float], settings: KneeSettings, uni
         kv = r.get("server_peak_kv_cache_usage")
         if kv is not None and kv >= settings.kv_usage:
             fire("kv_cache", i, f"peak KV-cache usage {100 * kv:.1f} % at {at} (limit {100 * settings.kv_usage:.0f} %)")
+        wait = r.get("server_device_wait_share")
+        if wait is not None and wait < HOST_BOUND:
+            fire("host", i, f"the engine waited on the GPU {100 * wait:.0f} % of the time at {at}: the host "
+                            f"(scheduling, streaming), not the GPU, bounds the steps")
         if i == 0:
             continue
         prev = rungs[i - 1]
@@ -209,6 +217,9 @@ def find_knee(rungs: list[dict], loads: list[float], settings: KneeSettings, uni
         next_loads = None
         reason = f"Knee at {_fmt_load(loads[knee], unit)}: " + "; ".join(
             s.message for s in signals if s.rung == knee and s.enabled)
+        cause = next((s.message for s in signals if s.rung == knee and s.name == "host" and not s.enabled), None)
+        if cause is not None:
+            reason += f" ({cause})"
 
     limit = len(rungs) if knee is None else knee
     ok = [i for i in range(limit) if not slo_violations(rungs[i], settings.slo) and not rungs[i].get("failed")]

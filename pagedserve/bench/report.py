@@ -13,7 +13,7 @@ CSV_FIELDS = (
     "ladder", "load", "completed", "failed", "duration", "request_throughput", "output_throughput",
     "total_token_throughput", "request_goodput",
     *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p95", "p99")),
-    "server_preemptions", "server_peak_kv_cache_usage", "server_peak_num_requests_running",
+    "server_preemptions", "server_device_wait_share", "server_peak_kv_cache_usage", "server_peak_num_requests_running",
     "server_peak_num_requests_waiting", "server_peak_device_memory_bytes", "server_peak_nvml_device_memory_bytes",
     "signals",
 )

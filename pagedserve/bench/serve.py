@@ -126,6 +126,7 @@ SCRAPED = {
     "pagedserve:num_requests_waiting_peak": "num_requests_waiting_peak",
     "pagedserve:kv_cache_usage_peak_perc": "kv_cache_usage_peak",
     "pagedserve:nvml_device_memory_used_bytes": "nvml_device_memory_bytes",
+    "pagedserve:device_wait_seconds_total": "device_wait_seconds",
 }
 
 # result key -> (exact peak since the window's reset, instantaneous gauge sampled by the poll)
@@ -136,7 +137,7 @@ _PEAKS = {
     "server_peak_device_memory_bytes": ("device_memory_peak_bytes", "device_memory_bytes"),
     "server_peak_nvml_device_memory_bytes": (None, "nvml_device_memory_bytes"),
 }
-SERVER_KEYS = ("server_preemptions", *_PEAKS)
+SERVER_KEYS = ("server_preemptions", "server_device_wait_share", *_PEAKS)
 
 
 class MetricsScraper:
@@ -175,7 +176,7 @@ class MetricsScraper:
             async with self._session.get(self.base_url + "/metrics") as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
-                self.samples.append(scrape_values(await resp.text(), SCRAPED))
+                self.samples.append({"t": time.perf_counter(), **scrape_values(await resp.text(), SCRAPED)})
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             self.failures += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -199,6 +200,9 @@ class MetricsScraper:
         first, last = self.samples[0], self.samples[-1]
         if "preemptions" in first and "preemptions" in last:
             out["server_preemptions"] = last["preemptions"] - first["preemptions"]
+        if "device_wait_seconds" in first and "device_wait_seconds" in last and last["t"] > first["t"]:
+            out["server_device_wait_share"] = ((last["device_wait_seconds"] - first["device_wait_seconds"])
+                                               / (last["t"] - first["t"]))
         for key, (exact, sampled) in _PEAKS.items():
             if self.exact_peaks and exact is not None and exact in last:
                 out[key] = last[exact]

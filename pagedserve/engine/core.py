@@ -88,6 +88,9 @@ class EngineCounters:
     # steps by their token count: step_tokens[i] counts those in (bucket i-1, bucket i]; the last, the rest
     step_tokens: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BUCKETS) + 1))
     step_tokens_sum: int = 0
+    # time the host waited for a launched step's results: near the wall time when the device bounds the
+    # steps, near zero when the host does (the device then idles between steps)
+    device_wait_seconds: float = 0.0
 
     def count_step(self, num_tokens: int) -> None:
         self.num_steps += 1
@@ -193,7 +196,11 @@ class EngineCore:
 
     def _collect(self, sched: SchedulerOutput, pending: PendingSamples | None) -> list[CoreOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""
-        tokens, lp, lp_ids, ranks, scores = pending.wait() if pending is not None else ([], None, None, None, None)
+        tokens, lp, lp_ids, ranks, scores = [], None, None, None, None
+        if pending is not None:
+            t0 = time.perf_counter()
+            tokens, lp, lp_ids, ranks, scores = pending.wait()
+            self.counters.device_wait_seconds += time.perf_counter() - t0
         scored = self._prompt_scores(sched, scores) if scores is not None else {}
         produced = self.scheduler.update_from_output(sched, tokens)
 

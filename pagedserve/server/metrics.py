@@ -115,6 +115,11 @@ class _EngineCollector:
             yield self._family(g, "pagedserve:nvml_device_memory_used_bytes",
                                "Used memory of the whole device as NVML reports it (what nvidia-smi shows).",
                                nvml_used)
+        if core.config.device.type == "cuda":  # on a CPU the host is the device: nothing to tell apart
+            yield self._family(c, "pagedserve:device_wait_seconds",
+                               "Time the engine waited for the GPU's results; a small share of the wall time "
+                               "means the host (scheduling, streaming) bounds the steps, not the GPU.",
+                               counters.device_wait_seconds)
         yield self._family(g, "pagedserve:num_requests_in_flight",
                            "Requests accepted by the API and not finished.", self.engine.num_in_flight)
         rejected = CounterMetricFamily("pagedserve:rejected_requests",

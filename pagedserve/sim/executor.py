@@ -30,6 +30,7 @@ class SimulatedWorker:
         self.budget, self.cost, self.paced = budget, cost, paced
         self.caps = graph_caps(config)
         self.launched: list[float] = []  # seconds of each step launched since the caller last took them
+        self.device_wait = 0.0           # what the host waits for the device, summed over the steps
         self._free_at = 0.0              # paced: when the step launched last ends
         # what the device would hold: the budget (weights, activations, the preallocated cache)
         self._memory = budget.weights + budget.activation_peak + budget.non_torch + budget.kv_cache_bytes
@@ -37,7 +38,9 @@ class SimulatedWorker:
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> _Samples | None:
         # the host's work for a step overlaps the device's (one step in flight): the longer of the two counts
         device = self.cost.seconds(*step_features(inp), step_kind(inp, self.caps))
-        seconds = max(device, self.cost.host_seconds(len(inp.query_lens)))
+        host = self.cost.host_seconds(len(inp.query_lens))
+        seconds = max(device, host)
+        self.device_wait += seconds - host
         ready_at = None
         if self.paced:
             ready_at = self._free_at = max(time.monotonic(), self._free_at) + seconds

@@ -92,6 +92,7 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
         "max_concurrency": max_concurrency,
         **calculate_metrics(results, now, PERCENTILES, list(METRIC_KEYS), goodput or {}),
         "server_preemptions": core.counters.num_preemptions,
+        "server_device_wait_share": worker.device_wait / now if now > 0 else None,
         "server_peak_kv_cache_usage": peaks.kv_cache_usage,
         "server_peak_num_requests_running": peaks.num_running,
         "server_peak_num_requests_waiting": peaks.num_waiting,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pagedserve.bench.knee import HOST_BOUND
 from pagedserve.bench.metrics import KV_FULL, scrape_values
 
 RISING = 1.5            # second-half mean latency over first-half mean that counts as "rising"
@@ -34,6 +35,7 @@ _NAMES = {
     "vllm:request_prefill_time_seconds_count": "prefill_count",
     "vllm:iteration_tokens_total_sum": "step_tokens_sum",
     "vllm:iteration_tokens_total_count": "step_tokens_count",
+    "pagedserve:device_wait_seconds_total": "device_wait",
 }
 
 
@@ -92,6 +94,11 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
     step_tokens = _mean(samples, "step_tokens_sum", "step_tokens_count")
     if step_tokens is not None:
         evidence.append(f"mean tokens a step {step_tokens:.0f} (the step's token budget bounds it)")
+    gpu_wait = None
+    if "device_wait" in first and "device_wait" in last and last["t"] > first["t"]:
+        gpu_wait = (last["device_wait"] - first["device_wait"]) / (last["t"] - first["t"])
+        evidence.append(f"the engine waited on the GPU {100 * gpu_wait:.0f} % of the window (little: the GPU idles "
+                        f"between steps and the host bounds them)")
 
     if preempted > 0 or kv_peak >= KV_FULL:
         return Diagnosis(2, "KV-cache / context pressure (the kind that ends in OOM or preemption storms)",
@@ -110,6 +117,10 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
             change = ("raise --max-num-batched-tokens, or --max-mixed-prefill-tokens (0: no bound) if prompts wait "
                       "beside decoding requests: requests wait for the step's token budget, not for memory")
             why = "requests wait below the sequence cap: the token budget is the bound"
+        elif gpu_wait is not None and gpu_wait < HOST_BOUND:
+            change = ("fewer streams per server process: lower --max-num-seqs, or run more server processes; the "
+                      "GPU waits on the host's scheduling and streaming, so token-budget flags will not help")
+            why = "latency rises with no queue while the GPU idles between steps: the host (CPU scheduling) bounds it"
         else:
             change = ("lower --max-mixed-prefill-tokens (prompt tokens a step takes beside decodes) or "
                       "--max-num-batched-tokens to protect decode ITL from long prefills, then check the host: a "
