@@ -322,6 +322,8 @@ def format_table(result: dict, percentile_metrics: list[str], percentiles: list[
     row("Peak device memory (GiB):", na if mem is None else f"{mem / 2**30:.2f}")
     if nvml is not None:
         row("Peak device memory, NVML (GiB):", f"{nvml / 2**30:.2f}")
+    if result.get("server_device_wait_share") is not None:  # low: the GPU idles, the host bounds the steps
+        row("Engine waiting on the GPU (%):", f"{100 * result['server_device_wait_share']:.1f}")
     row("Peaks:", "exact (server)" if result["server_peaks_exact"] else "polled" if result["server_metrics_scrapes"] else na)
     if result["server_metrics_scrape_failures"]:
         row("Failed /metrics scrapes:", result["server_metrics_scrape_failures"])
