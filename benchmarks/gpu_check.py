@@ -1,6 +1,7 @@
 """Correctness on the GPU: the Triton attention path (fused q/k norm + rotary + K/V store, paged
 attention) against the torch reference on real shapes in bf16, the CUDA GEMV, the Gumbel sampler's draws
-against the softmax, and the engine's greedy tokens with both backends (with and without penalties and logit biases).  python -m benchmarks.gpu_check"""
+against the softmax, the engine's greedy tokens with both backends (also with penalties and logit biases)
+and its prompt logprobs.  python -m benchmarks.gpu_check"""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ def main() -> None:
             rates[run["in_flight"]].append(run["seqs"] / run["seconds"])
             steps[run["in_flight"]].append(run["seqs"])
             cpu[run["in_flight"]].append(run["cpu_per_token"] * 1e6)
-    print(f"{'in flight':>9}  {'requests a step':>15}  {'output tok/s (median, min-max)':>32}  {'server CPU µs a token':>22}")
+    print(f"{'in flight':>9}  {'requests a step':>15}  {'output tok/s (median, min-max)':>32}  "
+          f"{'server CPU µs a token':>22}")
     for c in levels:
         r = rates[c]
         print(f"{c:>9}  {np.median(steps[c]):>15.1f}  {np.median(r):>14,.0f} ({min(r):,.0f}-{max(r):,.0f})  "

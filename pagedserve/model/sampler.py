@@ -1,12 +1,13 @@
-"""Batched sampling: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs.
+"""Batched sampling: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds,
+top-N logprobs.
 
 Random rows use the Gumbel-max form: ``argmax(logits / T + g)`` with ``g = -log(-log u)``, ``u`` uniform,
 samples exactly from ``softmax(logits / T)``, and needs no softmax, only one read of the logits (on
 CUDA one fused kernel, ``fused.gumbel_argmax``). Top-k / top-p / min-p set the logits they drop to -inf
 first. Each row's noise is keyed by a seed the model runner derives from the request's seed and the
 index of the token being sampled, so a seeded request's samples do not depend on what else is in the
-batch, nor on preemption. Logit biases and penalties change the logits that are sampled from; logprobs are those of the
-model's own logits (vLLM's default).
+batch, nor on preemption. Logit biases and penalties change the logits that are sampled from; logprobs
+are those of the model's own logits (vLLM's default).
 """
 
 from __future__ import annotations
