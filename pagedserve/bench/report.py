@@ -9,6 +9,8 @@ import html
 import json
 from pathlib import Path
 
+from pagedserve.bench.knee import HOST_BOUND
+
 CSV_FIELDS = (
     "ladder", "load", "completed", "failed", "duration", "request_throughput", "output_throughput",
     "total_token_throughput", "request_goodput",
@@ -202,7 +204,9 @@ def write_plots(doc: dict, folder: Path) -> list[Path]:
         panel_row(PLOTS[0], "Throughput", [
             (lambda r: r["output_throughput"], "output tokens/s", {}),
             (lambda r: r["total_token_throughput"], "total tokens/s (prompt + output)", {}),
-            (lambda r: r["request_throughput"], "requests/s", {})]),
+            (lambda r: r["request_throughput"], "requests/s", {}),
+            (scaled("server_device_wait_share", 100), "engine waiting on the GPU (%)",
+             {"lines": [(100 * HOST_BOUND, f"below {100 * HOST_BOUND:g} %: the host bounds the steps")]})]),
         panel_row(PLOTS[1], "p95 latency", [
             (lambda r, m=m: r.get(f"p95_{m}_ms"), f"p95 {m.upper()} (ms)",
              {"axis": {"log_y": True}, "lines": slo_lines(m)}) for m in ("ttft", "itl", "e2el")]),
