@@ -25,6 +25,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # subtracted per occurrence in the output
     repetition_penalty: float = 1.0   # divides positive / multiplies negative logits of prompt and output tokens
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits, in [-100, 100] (OpenAI's)
+    # structured output, one of STRUCTURED_KINDS: {"json": schema}, {"json_object": True}, {"regex": r"..."},
+    # {"choice": ["a", "b"]} or {"grammar": EBNF}
+    structured_outputs: dict | None = None
     logprobs: int | None = None   # number of top logprobs to return per token (plus the sampled one)
     prompt_logprobs: int | None = None  # ... per prompt token (plus the prompt's own): scores the prompt
     skip_special_tokens: bool = True
@@ -75,7 +78,29 @@ class SamplingParams:
                 raise bad("logit_bias", "keys must be token ids")
             if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
-        self.plain_greedy = self.greedy and not self.penalized and not self.logit_bias
+        if self.structured_outputs is not None:
+            self.structured_outputs = self._structured(self.structured_outputs)
+        self.plain_greedy = self.greedy and not self.penalized and not self.logit_bias and not self.structured_outputs
+
+    STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    @classmethod
+    def _structured(cls, spec) -> dict:
+        """The one kind a ``structured_outputs`` dict names, checked in shape (the engine compiles it)."""
+        kinds = ", ".join(cls.STRUCTURED_KINDS)
+        if not isinstance(spec, dict):
+            raise InvalidRequestError("structured_outputs", f"structured_outputs must be an object with one of {kinds}.")
+        given = {k: v for k, v in spec.items() if v is not None and v is not False}
+        if len(given) != 1 or next(iter(given)) not in cls.STRUCTURED_KINDS:
+            raise InvalidRequestError("structured_outputs", f"structured_outputs needs exactly one of {kinds}, got "
+                                                            f"{sorted(given)}.")
+        (kind, value), = given.items()
+        ok = {"json": isinstance(value, (dict, str)), "json_object": value is True, "regex": isinstance(value, str),
+              "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value),
+              "grammar": isinstance(value, str)}[kind]
+        if not ok:
+            raise InvalidRequestError("structured_outputs", f"structured_outputs.{kind} has the wrong type: {value!r}.")
+        return given
 
     def child(self, index: int) -> "SamplingParams":
         """The parameters of one of the ``n`` parallel samples: one sequence each, a seeded request's

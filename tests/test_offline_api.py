@@ -260,3 +260,38 @@ def test_engine_start_freezes_its_heap_and_a_dropped_engine_frees_its_tensors():
     del llm, out, runner
     gc.collect()
     assert all(r() is None for r in refs)  # frozen, yet freed: nothing but cycles waits for the exit
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+def test_structured_outputs_hold_even_random_weights_to_the_format(llm):
+    """A JSON schema, a choice and a regex, greedy and sampled, beside an unconstrained request (which gives
+    what it gives alone): each output parses and matches; the grammar ends each request."""
+    import json
+    import re
+
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["plain"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    specs = [{"json": SCHEMA}, {"choice": ["yes", "no", "maybe"]}, {"regex": "[0-9]{3}-[a-z]{2}"}]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=60, structured_outputs=s)
+              for i, (t, s) in enumerate((t, s) for t in (0.0, 1.0) for s in specs)]
+    outs = llm.generate(["Answer:"] * len(params) + ["plain"], params + [plain], use_tqdm=False)
+    for o, p in zip(outs, params):
+        text, kind = o.outputs[0].text, next(iter(p.structured_outputs))
+        assert o.outputs[0].finish_reason == "stop", (kind, text)
+        if kind == "json":
+            value = json.loads(text)
+            assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+        elif kind == "choice":
+            assert text in ("yes", "no", "maybe")
+        else:
+            assert re.fullmatch("[0-9]{3}-[a-z]{2}", text)
+    assert outs[-1].outputs[0].token_ids == alone
+    with pytest.raises(InvalidRequestError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
+    with pytest.raises(InvalidRequestError, match="could not be compiled"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"regex": "([a-z"}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -243,3 +243,22 @@ def test_echo_and_prompt_logprobs_as_evaluation_harnesses_ask(server):
     assert streamed == full.text
     r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_structured_outputs_through_the_openai_sdk(server):
+    """OpenAI's response_format (json_schema) in chat, vLLM's guided_choice in completions, streamed too:
+    the text parses and matches (even on the tiny model's random weights)."""
+    url, client = server
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Is it ok?"}], max_tokens=40, temperature=0.7, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert set(json.loads(chat.choices[0].message.content)) == {"ok"} and chat.choices[0].finish_reason == "stop"
+    picked = client.completions.create(model="tiny", prompt="Pick one:", max_tokens=10, temperature=1.0, n=3, seed=2,
+                                       extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert {c.text for c in picked.choices} <= {"red", "green", "blue"}
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model="tiny", prompt="Code:", max_tokens=10, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{2}"}}) if chunk.choices)
+    assert len(streamed) == 4 and streamed[:2].isupper() and streamed[2:].isdigit()

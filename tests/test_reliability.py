@@ -67,9 +67,11 @@ CMPL = "/v1/completions"
      400, "--trust-request-chat-template"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
      "add_generation_prompt"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
-     "Structured output"),
-    (CMPL, {"prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided decoding"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, 400,
+     "response_format must be"),
+    (CMPL, {"prompt": "hi", "guided_choice": ["a", "b"], "guided_regex": "[a-z]"}, 400, "one structured output"),
+    (CMPL, {"prompt": "hi", "guided_regex": "([a-z"}, 400, "could not be compiled"),
+    (CMPL, {"prompt": "hi", "structured_outputs": {"choice": []}}, 400, "wrong type"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "Tool calling"),
 ])
@@ -152,7 +154,8 @@ JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | 
 FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
           "stream", "stream_options", "logprobs", "ignore_eos", "min_tokens", "messages", "model", "echo",
           "top_logprobs", "chat_template_kwargs", "max_completion_tokens", "add_generation_prompt",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"]
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
+          "guided_choice", "guided_regex", "structured_outputs"]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

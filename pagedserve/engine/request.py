@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedserve.engine.structured import Grammar
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class Request:
     eos_token_ids: tuple[int, ...]
     max_tokens: int                        # resolved: never beyond max_model_len
     arrival_time: float = field(default_factory=time.monotonic)
+    grammar: Grammar | None = None         # structured output: the tokens allowed next
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
@@ -90,6 +92,9 @@ class Request:
         """Set a finished status if the last token ends the request (EOS, stop id, length)."""
         params = self.sampling_params
         token = self.all_token_ids[-1]
+        if self.grammar is not None and self.grammar.terminated:  # it allows no further token
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

@@ -126,8 +126,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.ends_in_flight(self.max_model_len):
-                i += 1
+            if req.ends_in_flight(self.max_model_len) or (req.grammar is not None and req.num_pending_tokens):
+                i += 1  # (structured output: the next mask needs the token in flight)
                 continue
             n = req.num_tokens_with_pending - req.num_computed_tokens
             prefilling = n > 1  # a prompt chunk (or a preempted request's recompute), not a decode
@@ -236,6 +236,8 @@ class Scheduler:
             if req.status.finished:  # aborted, or ended by its previous token, while this step ran
                 continue
             req.append_token(token)
+            if req.grammar is not None:
+                req.grammar.accept(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             produced.append((row, req))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedserve.engine import structured
 from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import SchedulerOutput
@@ -91,12 +92,17 @@ class StepBuilder:
         step = (self._seed_base, self._num_sampling_steps)
         seeds = [hash((p.seed, r.num_tokens_with_pending) if p.seed is not None else (*step, i)) & _SEED_MASK
                  for i, (r, p) in enumerate(zip(requests, sp))]
+        constrained = [(row, r.grammar) for row, r in enumerate(requests) if r.grammar is not None]
+        rows = mask = None
+        if constrained:
+            rows = np.asarray([row for row, _ in constrained], dtype=np.int64)
+            mask = structured.bitmask([g for _, g in constrained], self.vocab_size)
         biased = [(row, p.logit_bias) for row, p in enumerate(sp) if p.logit_bias]
         index = values = None
         if biased:
             index = np.array([(row, t) for row, bias in biased for t in bias], dtype=np.int64).T
             values = np.array([b for _, bias in biased for b in bias.values()], dtype=np.float32)
-        return SamplingInputs(table, seeds, num_logprobs, self._penalties(requests, sp), index, values)
+        return SamplingInputs(table, seeds, num_logprobs, self._penalties(requests, sp), index, values, rows, mask)
 
     def _penalties(self, requests: list[Request], sp: list[SamplingParams]) -> PenaltyInputs | None:
         """The tokens each penalized row has seen: its output, and its prompt too for a repetition penalty."""

@@ -378,7 +378,9 @@ class ModelRunner:
             seeds=self._to_device(np.array(s.seeds, dtype=np.int64)), seed_list=s.seeds, all_greedy=False,
             num_logprobs=s.num_logprobs,
             penalties=None if s.penalties is None else self._penalties(s.penalties, previous),
-            logit_bias=None if s.bias_index is None else (self._to_device(s.bias_index), self._to_device(s.bias_values)))
+            logit_bias=None if s.bias_index is None else (self._to_device(s.bias_index), self._to_device(s.bias_values)),
+            grammar=None if s.grammar_rows is None else (self._to_device(s.grammar_rows),
+                                                         self._to_device(s.grammar_bitmask)))
 
     def _penalties(self, p: PenaltyInputs, previous: torch.Tensor | None) -> Penalties:
         tokens = self._to_device(p.tokens)

@@ -12,8 +12,6 @@ from pagedserve.sampling_params import SamplingParams
 
 
 INT64 = (-(2**63), 2**63 - 1)
-# vLLM's guided-decoding fields: refused rather than ignored, so no client takes free text for constrained output
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 INT32_MAX = 2**31 - 1
 logger = logging.getLogger(__name__)
 
@@ -52,6 +50,13 @@ class _SamplingFields(_Body):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)  # finite: the body model refuses inf and nan
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     def model_post_init(self, _) -> None:
         if self.model_extra:
@@ -63,7 +68,10 @@ class _SamplingFields(_Body):
         """``defaults``: the model's recommended values (generation_config.json) for the fields left unset."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options needs stream: true.")
-        self._refuse_constraints()
+        if self.model_extra and self.model_extra.get("tools") and self.model_extra.get("tool_choice", "auto") != "none":
+            raise InvalidRequestError("tool_choice", "Tool calling is not supported by this server: tool calls would "
+                                                     "come back as plain text. Leave out tools, or set tool_choice "
+                                                     "to \"none\".")
         unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
         chosen = {k: v if (v := getattr(self, k)) is not None else defaults.get(k, neutral) for k, neutral in unset.items()}
         return SamplingParams(
@@ -71,25 +79,33 @@ class _SamplingFields(_Body):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logit_bias=self._logit_bias(), include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(), structured_outputs=self._structured(), include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
 
-    def _refuse_constraints(self) -> None:
-        """Structured output and tool calls are not produced here: asking for them is a 400, not a silence."""
-        extra = self.model_extra or {}
-        fmt = extra.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise InvalidRequestError("response_format", "Structured output (a response_format other than "
-                                      "{\"type\": \"text\"}) is not supported by this server: nothing would hold "
-                                      "the output to the format. Leave response_format out.")
-        for name in GUIDED:
-            if extra.get(name) is not None:
-                raise InvalidRequestError(name, f"{name} (guided decoding) is not supported by this server; leave it "
-                                                f"out.")
-        if extra.get("tools") and extra.get("tool_choice", "auto") != "none":
-            raise InvalidRequestError("tool_choice", "Tool calling is not supported by this server: tool calls would "
-                                                     "come back as plain text. Leave out tools, or set tool_choice "
-                                                     "to \"none\".")
+    def _structured(self) -> dict | None:
+        """The one structured-output request among the fields that can make it, as ``SamplingParams`` takes it."""
+        specs = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            if fmt.get("type") == "json_object":
+                specs["response_format"] = {"json_object": True}
+            elif fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict) \
+                    and "schema" in fmt["json_schema"]:
+                specs["response_format"] = {"json": fmt["json_schema"]["schema"]}
+            else:
+                raise InvalidRequestError("response_format", "response_format must be {\"type\": \"text\"}, "
+                                          "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                                          "\"json_schema\": {\"schema\": ...}}.")
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                specs[name] = {kind: getattr(self, name)}
+        if self.structured_outputs is not None:
+            specs["structured_outputs"] = self.structured_outputs
+        if len(specs) > 1:
+            raise InvalidRequestError(sorted(specs)[1], f"Ask for one structured output, not {len(specs)}: "
+                                                        f"{', '.join(sorted(specs))}.")
+        return next(iter(specs.values()), None)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
