@@ -208,7 +208,8 @@ class GenerationDefaults:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         try:
             if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-                raise InvalidRequestError("max_new_tokens", f"max_new_tokens must be a positive integer, got {max_tokens!r}.")
+                raise InvalidRequestError("max_new_tokens",
+                                          f"max_new_tokens must be a positive integer, got {max_tokens!r}.")
             if not all(isinstance(t, int) and t >= 0 for t in eos_ids):
                 raise InvalidRequestError("eos_token_id", f"eos_token_id must be token ids, got {eos!r}.")
             if not isinstance(sampling.get("top_k", 0), int):

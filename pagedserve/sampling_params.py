@@ -89,7 +89,8 @@ class SamplingParams:
         """The one kind a ``structured_outputs`` dict names, checked in shape (the engine compiles it)."""
         kinds = ", ".join(cls.STRUCTURED_KINDS)
         if not isinstance(spec, dict):
-            raise InvalidRequestError("structured_outputs", f"structured_outputs must be an object with one of {kinds}.")
+            raise InvalidRequestError("structured_outputs",
+                                      f"structured_outputs must be an object with one of {kinds}.")
         given = {k: v for k, v in spec.items() if v is not None and v is not False}
         if len(given) != 1 or next(iter(given)) not in cls.STRUCTURED_KINDS:
             raise InvalidRequestError("structured_outputs", f"structured_outputs needs exactly one of {kinds}, got "

@@ -49,9 +49,10 @@ class PendingSamples:
         logprob ids, ranks) or None."""
         if self.done is not None:
             self.done.synchronize()
-        fields = self.samples.fields() if self.samples is not None else ([], None, None, None)
+        samples = ([], None, None, None) if self.samples is None else \
+            tuple(None if t is None else t.tolist() for t in self.samples.fields())
         scores = None if self.scores is None else tuple(t.tolist() for t in self.scores.fields()[1:])
-        return (*(t if t is None or isinstance(t, list) else t.tolist() for t in fields), scores)
+        return (*samples, scores)
 
 
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -378,7 +379,8 @@ class ModelRunner:
             seeds=self._to_device(np.array(s.seeds, dtype=np.int64)), seed_list=s.seeds, all_greedy=False,
             num_logprobs=s.num_logprobs,
             penalties=None if s.penalties is None else self._penalties(s.penalties, previous),
-            logit_bias=None if s.bias_index is None else (self._to_device(s.bias_index), self._to_device(s.bias_values)),
+            logit_bias=None if s.bias_index is None else (self._to_device(s.bias_index),
+                                                          self._to_device(s.bias_values)),
             grammar=None if s.grammar_rows is None else (self._to_device(s.grammar_rows),
                                                          self._to_device(s.grammar_bitmask)))
 

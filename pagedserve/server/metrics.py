@@ -144,7 +144,8 @@ class _EngineCollector:
                 yield self._family(c, "pagedserve:long_prompts",
                                    f"Prompts over {deg.window.long_prompt_tokens} tokens that arrived (admitted or not).",
                                    deg.window.long_prompts_total)
-        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step.", labels=list(self.labels))
+        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step.",
+                                      labels=list(self.labels))
         cumulative, buckets = 0, []
         for le, n in zip([*map(float, STEP_TOKEN_BUCKETS), "+Inf"], counters.step_tokens):
             cumulative += n
@@ -172,6 +173,7 @@ class ServerMetrics:
         self.degradation = None               # the profile switcher, when the server has profiles
         self.window = None                    # its signal window: fed TTFTs and ITLs as they happen
         self.registry.register(_EngineCollector(engine, model_name, self))
+
         def hist(name, doc, buckets):  # labelled as the collector's families are
             return Histogram(name, doc, ["model_name", "engine"], buckets=buckets,
                              registry=self.registry).labels(model_name, "0")
@@ -187,7 +189,8 @@ class ServerMetrics:
         self.inference = hist("vllm:request_inference_time_seconds", "Time from first scheduling to the last token.",
                               LATENCY_BUCKETS)
         self.tpot = hist("vllm:request_time_per_output_token_seconds",
-                         "A request's mean time between output tokens (decode time / (output tokens - 1)).", ITL_BUCKETS)
+                         "A request's mean time between output tokens (decode time / (output tokens - 1)).",
+                         ITL_BUCKETS)
         tokens = one_two_five(engine.config.max_model_len)
         self.prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt tokens of a finished request.", tokens)
         self.generation_tokens = hist("vllm:request_generation_tokens", "Output tokens of a finished request.", tokens)

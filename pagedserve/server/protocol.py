@@ -68,18 +68,21 @@ class _SamplingFields(_Body):
         """``defaults``: the model's recommended values (generation_config.json) for the fields left unset."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options needs stream: true.")
-        if self.model_extra and self.model_extra.get("tools") and self.model_extra.get("tool_choice", "auto") != "none":
+        extra = self.model_extra or {}
+        if extra.get("tools") and extra.get("tool_choice", "auto") != "none":
             raise InvalidRequestError("tool_choice", "Tool calling is not supported by this server: tool calls would "
                                                      "come back as plain text. Leave out tools, or set tool_choice "
                                                      "to \"none\".")
         unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-        chosen = {k: v if (v := getattr(self, k)) is not None else defaults.get(k, neutral) for k, neutral in unset.items()}
+        chosen = {k: v if (v := getattr(self, k)) is not None else defaults.get(k, neutral)
+                  for k, neutral in unset.items()}
         return SamplingParams(
             n=self.n, **chosen, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logit_bias=self._logit_bias(), structured_outputs=self._structured(), include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(), structured_outputs=self._structured(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens)
 
     def _structured(self) -> dict | None:
