@@ -7,10 +7,13 @@ known on the host (every other step while a step is in flight); the others keep 
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 
 from pagedserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 
 class Grammar:
@@ -18,17 +21,19 @@ class Grammar:
 
     def __init__(self, matcher):
         self._matcher = matcher
+        self._broken = False  # a token the grammar refused: the request ends there, the others go on
 
     def fill(self, bitmask, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):
-            raise RuntimeError(f"token {token} is outside the grammar that masked it")
+            logger.error("token %d is outside the grammar that masked it; the request ends here", token)
+            self._broken = True
 
     @property
     def terminated(self) -> bool:
-        return self._matcher.is_terminated()
+        return self._broken or self._matcher.is_terminated()
 
 
 class GrammarCompiler:
