@@ -125,6 +125,10 @@ def test_chat_applies_template(llm):
     expected = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
                           add_special_tokens=False)
     assert out.prompt_token_ids == expected
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=tools)[0]
+    assert out.prompt_token_ids == tok.encode("[get_weather]What is the capital of France?", add_special_tokens=False)
 
 
 @pytest.mark.parametrize("kwargs, param", [

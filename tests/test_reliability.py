@@ -73,7 +73,7 @@ CMPL = "/v1/completions"
     (CMPL, {"prompt": "hi", "guided_regex": "([a-z"}, 400, "could not be compiled"),
     (CMPL, {"prompt": "hi", "structured_outputs": {"choice": []}}, 400, "wrong type"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "Tool calling"),
+     400, "--enable-auto-tool-choice"),
 ])
 def test_bad_input_is_a_clear_4xx(server, path, body, status, fragment):
     assert fragment in error(post(server[0], path, body), status)["message"]

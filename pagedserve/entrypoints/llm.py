@@ -54,13 +54,14 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the chat template (``chat_template``, else the tokenizer's) to one conversation or a list of
-        them, then generate."""
+        them, with ``tools`` (OpenAI's function definitions) if given, then generate. The text is returned
+        as written: calls and reasoning are parsed out by the server only."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = self._per_prompt(sampling_params, len(conversations))
         kwargs = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template,
-                  **(chat_template_kwargs or {})}
+                  **({"tools": tools} if tools else {}), **(chat_template_kwargs or {})}
         encoded = [self.engine.inputs.apply_chat_template(c, **kwargs) for c in conversations]
         return self._run(encoded, params, use_tqdm)
 

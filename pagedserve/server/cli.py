@@ -63,6 +63,8 @@ class Server(uvicorn.Server):
 
 def add_serve_parser(sub) -> None:
     from pagedserve.args import add_engine_args
+    from pagedserve.server.reasoning import REASONING_PARSERS
+    from pagedserve.server.tools import TOOL_CALL_PARSERS
 
     p = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
     add_engine_args(p)
@@ -87,6 +89,15 @@ def add_serve_parser(sub) -> None:
                    help="A chat template (a file, or the template itself) used instead of the tokenizer's.")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="Render chat templates that requests send (a template is code: off by default).")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="Return what a reasoning model writes between <think> and </think> apart from its "
+                        "answer, as reasoning_content (qwen3: Qwen3; deepseek_r1: DeepSeek-R1, QwQ).")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser.")
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="How the model writes tool calls (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1+).")
+    s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="Leave the tools out of the prompt when a request's tool_choice is \"none\".")
     s.add_argument("--config", default=None, help="A YAML file of flags (names with - or _), as vLLM's; flags "
                                                   "on the command line win.")
     s.add_argument("--enable-log-requests", action="store_true", help="Log each request as it is admitted.")
@@ -140,6 +151,9 @@ def build_server(ns: argparse.Namespace, worker=None):
         raise ConfigError("--shutdown-timeout must be zero or more seconds.")
     if ns.api_key is not None and not ns.api_key.strip():
         raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without one.")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser: say how the model writes its calls "
+                          "(hermes for Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.1+).")
     if not 0 < ns.port < 65536:
         raise ConfigError(f"--port {ns.port} is not a TCP port.")
     config = engine_args_from(ns).create_config(serving=True)
@@ -155,7 +169,9 @@ def build_server(ns: argparse.Namespace, worker=None):
                               max_num_queued_tokens=ns.max_num_queued_tokens, shutdown_timeout=ns.shutdown_timeout,
                               log_stats_interval=0.0 if ns.disable_log_stats else 10.0, profiles=profiles,
                               trust_request_chat_template=ns.trust_request_chat_template,
-                              log_requests=ns.enable_log_requests)
+                              log_requests=ns.enable_log_requests, reasoning_parser=ns.reasoning_parser,
+                              tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+                              tools_when_none=not ns.exclude_tools_when_tool_choice_none)
     app = build_app(engine, settings)
     # uvicorn's own deadline comes after ours, so it finds every stream already ended
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.tools import forced_schema
 
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -68,11 +70,6 @@ class _SamplingFields(_Body):
         """``defaults``: the model's recommended values (generation_config.json) for the fields left unset."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options needs stream: true.")
-        extra = self.model_extra or {}
-        if extra.get("tools") and extra.get("tool_choice", "auto") != "none":
-            raise InvalidRequestError("tool_choice", "Tool calling is not supported by this server: tool calls would "
-                                                     "come back as plain text. Leave out tools, or set tool_choice "
-                                                     "to \"none\".")
         unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
         chosen = {k: v if (v := getattr(self, k)) is not None else defaults.get(k, neutral)
                   for k, neutral in unset.items()}
@@ -87,7 +84,7 @@ class _SamplingFields(_Body):
 
     def _structured(self) -> dict | None:
         """The one structured-output request among the fields that can make it, as ``SamplingParams`` takes it."""
-        specs = {}
+        specs = self._forced_output()
         fmt = self.response_format
         if fmt is not None and fmt.get("type") != "text":
             if fmt.get("type") == "json_object":
@@ -109,6 +106,9 @@ class _SamplingFields(_Body):
             raise InvalidRequestError(sorted(specs)[1], f"Ask for one structured output, not {len(specs)}: "
                                                         f"{', '.join(sorted(specs))}.")
         return next(iter(specs.values()), None)
+
+    def _forced_output(self) -> dict:
+        return {}
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -159,10 +159,25 @@ class ContentPart(_Body):
     text: StrictStr | None = None
 
 
+class FunctionCall(_Body):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any]
+
+
+class ToolCall(_Body):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
+    # other fields (name, reasoning_content, ...) reach the chat template as sent
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
     def as_dict(self) -> dict:
         content = self.content
@@ -171,7 +186,45 @@ class ChatMessage(_Body):
                 raise InvalidRequestError("messages", "Only text content parts ({\"type\": \"text\", \"text\": ...}) "
                                                       "are supported.")
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [self._call(c) for c in self.tool_calls]
+        return message
+
+    @staticmethod
+    def _call(call: ToolCall) -> dict:
+        """A call as templates read it: arguments as a mapping (some templates write them with ``tojson``)."""
+        args = call.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError("messages", f"A tool call's arguments are not JSON ({e.msg}): "
+                                                      f"{args[:80]!r}.") from None
+        return {**call.model_dump(exclude_none=True), "function": {"name": call.function.name, "arguments": args}}
+
+
+class FunctionDefinition(_Body):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -183,8 +236,39 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: StrictBool = False
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    include_reasoning: StrictBool = True  # false: the reasoning is left out of the answer
 
-    def template_args(self, trust_request_template: bool) -> dict:
+    def tool_mode(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function): tool_choice left out is "auto"
+        with tools and "none" without, as in OpenAI's API."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "none":
+            return "none", None
+        if not self.tools:
+            what = repr(choice) if isinstance(choice, str) else "naming a function"
+            raise InvalidRequestError("tool_choice", f"tool_choice {what} needs tools: send the functions the "
+                                                     "model may call in tools.")
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) < len(names):
+            raise InvalidRequestError("tools", f"Two tools share a name: {sorted(names)}.")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise InvalidRequestError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not "
+                                                         f"among the tools ({', '.join(names)}).")
+            return "named", choice.function.name
+        return choice, None
+
+    def _forced_output(self) -> dict:
+        mode, name = self.tool_mode()
+        if mode not in ("named", "required"):
+            return {}
+        schema = forced_schema([t.function.model_dump() for t in self.tools], name, self.parallel_tool_calls)
+        return {"tool_choice": {"json": schema}}
+
+    def template_args(self, trust_request_template: bool, tools_when_none: bool = True) -> dict:
         """Keyword arguments for the chat template. A template sent by the client is rendered only when the
         server trusts request templates: a template is code, and a slow one stalls the server."""
         kwargs = dict(self.chat_template_kwargs or {})
@@ -195,6 +279,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError("continue_final_message", "continue_final_message continues the last "
                                       "message; it cannot be combined with add_generation_prompt (set it to false).")
+        if self.tools and (tools_when_none or self.tool_mode()[0] != "none"):
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         return {**kwargs, "chat_template": template, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
@@ -209,6 +295,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered with the messages, as the chat template would
     add_special_tokens: StrictBool = True
 
 

@@ -13,9 +13,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestOutput
+from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from pagedserve.server.state import ServerState, server_state
 from pagedserve.server.streaming import final_outputs, merged, sse_stream
+from pagedserve.server.tools import TOOL_CALL_PARSERS, NamedCallParser, RequiredCallsParser
 
 router = APIRouter()
 
@@ -58,51 +61,76 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
     model = state.check_model(body.model)
+    settings = state.settings
+    mode, function = body.tool_mode()
+    if mode == "auto" and settings.tool_call_parser is None:
+        raise InvalidRequestError("tool_choice", "tool_choice \"auto\" needs a server started with "
+                                                 "--enable-auto-tool-choice and --tool-call-parser; or send "
+                                                 "tool_choice \"required\", a named function or \"none\".")
     params = body.sampling_params(state.engine.config.generation.sampling)
     messages = [m.as_dict() for m in body.messages]
-    template_args = body.template_args(state.settings.trust_request_chat_template)
+    template_args = body.template_args(settings.trust_request_chat_template, settings.tools_when_none)
     state.admission.check_room(params.n)
     prompt = await asyncio.to_thread(state.engine.inputs.apply_chat_template, messages, **template_args)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await state.start(rid, [prompt], params)
     want_lp = params.logprobs is not None
+    opened = settings.reasoning_parser is not None and prompt_opens_reasoning(
+        state.engine.tokenizer.decode(prompt[-16:]))
+
+    def parser() -> ChatOutputParser:
+        reasoning = None if settings.reasoning_parser is None else ReasoningSplitter(
+            settings.reasoning_parser, opened, constrained=params.structured_outputs is not None)
+        tools = (TOOL_CALL_PARSERS[settings.tool_call_parser]() if mode == "auto" else
+                 NamedCallParser(function) if mode == "named" else
+                 RequiredCallsParser() if mode == "required" else None)
+        return ChatOutputParser(reasoning, tools, body.include_reasoning)
 
     def logprobs(c):
         return _chat_logprobs(c, params.logprobs) if want_lp else None
 
-    def delta(j: int, out: RequestOutput) -> dict:
+    parsers = [parser() for _ in streams]
+    started = [False] * len(streams)
+
+    def delta(j: int, out: RequestOutput) -> dict | None:
         c = out.outputs[0]
-        return {"index": j, "delta": {"content": c.text}, "logprobs": logprobs(c),
-                "finish_reason": c.finish_reason if out.finished else None,
+        d = parsers[j].feed(c.text, last=out.finished)
+        if not (d or out.finished or want_lp):
+            return None  # text held back (a tag may be starting): nothing to send yet
+        message = d.stream_json()
+        if not started[j]:  # the role goes out with the first token, so a client's TTFT is the token's
+            started[j] = True
+            message = {"role": "assistant", **message}
+        return {"index": j, "delta": message, "logprobs": logprobs(c),
+                "finish_reason": parsers[j].finish_reason(c.finish_reason) if out.finished else None,
                 "stop_reason": c.stop_reason if out.finished else None}
 
     def final(finals: list[RequestOutput]) -> dict:
-        choices = [{"index": j, "message": {"role": "assistant", "content": out.outputs[0].text},
-                    "logprobs": logprobs(out.outputs[0]), "finish_reason": out.outputs[0].finish_reason,
-                    "stop_reason": out.outputs[0].stop_reason} for j, out in enumerate(finals)]
+        choices = []
+        for j, out in enumerate(finals):
+            c = out.outputs[0]
+            choices.append({"index": j, "message": parsers[j].feed(c.text, last=True).message_json(),
+                            "logprobs": logprobs(c), "finish_reason": parsers[j].finish_reason(c.finish_reason),
+                            "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": _Usage.of(finals, params.n)}
 
-    roles = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-             for j in range(len(streams))]
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    return await _respond(body, raw, streams, params.n, head, delta, final, first=roles)
+    return await _respond(body, raw, streams, params.n, head, delta, final)
 
 
 async def _respond(body, raw: Request, streams: list, n: int, head: dict,
-                   chunk: Callable[[int, RequestOutput], dict], final: Callable[[list[RequestOutput]], dict],
-                   first: list[dict] = ()):
-    """Stream the outputs as SSE (``first`` choices, then ``chunk(index, output)`` for each output as it
-    comes, then the usage if asked), or wait for them all and answer ``final(outputs)``; 499 when the client
-    left before the end."""
+                   chunk: Callable[[int, RequestOutput], dict | None], final: Callable[[list[RequestOutput]], dict]):
+    """Stream the outputs as SSE (``chunk(index, output)`` for each output as it comes, unless None, then
+    the usage if asked), or wait for them all and answer ``final(outputs)``; 499 when the client left
+    before the end."""
     if body.stream:
         async def events():
-            for c in first:
-                yield {**head, "choices": [c]}
             usage = _Usage(n)
             async for i, out in merged(streams):
                 usage.add(i, out)
-                yield {**head, "choices": [chunk(i, out)]}
+                if (choice := chunk(i, out)) is not None:
+                    yield {**head, "choices": [choice]}
             if body.include_usage:
                 yield {**head, "choices": [], "usage": usage.json()}
 

@@ -41,7 +41,8 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_st
     inputs = state.engine.inputs
     if body.messages is not None:
         messages = [m.as_dict() for m in body.messages]
-        tokens = await asyncio.to_thread(inputs.apply_chat_template, messages)
+        tools = None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools]
+        tokens = await asyncio.to_thread(inputs.apply_chat_template, messages, tools=tools)
     elif body.prompt is not None:
         tokens = await asyncio.to_thread(inputs.encode, body.prompt, body.add_special_tokens)
     else:

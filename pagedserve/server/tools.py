@@ -1,0 +1,202 @@
+"""Tool calls in the chat API: the grammar that forces them, and the parsers that find them in text.
+
+``tool_choice`` "required" or a named function constrains the output to the calls' JSON (structured
+output), so it parses by construction; "auto" lets the model choose, and a parser for the model's own
+format (``--tool-call-parser``) takes the calls out of the streamed text. Every parser is fed the answer
+as it streams and returns (content, calls): calls in the shape of streamed ``delta.tool_calls`` entries,
+which the non-streamed answer joins by index. Text that looked like a call but does not parse stays
+content, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from pagedserve.server.reasoning import partial_tail
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def forced_schema(tools: list[dict], name: str | None, parallel: bool) -> dict:
+    """The JSON schema of a forced choice: the named function's arguments, or ("required") a list of
+    one or more calls of any of the tools."""
+    if name is not None:
+        return next(t["parameters"] or EMPTY_PARAMETERS for t in tools if t["name"] == name)
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
+                                               "parameters": t["parameters"] or EMPTY_PARAMETERS},
+              "required": ["name", "parameters"]} for t in tools]
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+
+
+def _arguments(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+class ToolCallParser:
+    """Base: numbers the calls, gives them ids, and holds the content's trailing whitespace (the blank
+    lines a model writes around its calls are not an answer)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.space = ""
+
+    def call(self, name: str, arguments: str) -> dict:
+        self.calls += 1
+        return {"index": self.calls - 1, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+    def text(self, text: str) -> str:
+        text = self.space + text
+        kept = text.rstrip()
+        self.space = text[len(kept):]
+        return kept
+
+    def rest(self) -> str:
+        """The whitespace still held at the end: content only if the answer made no call."""
+        rest, self.space = self.space, ""
+        return "" if self.calls else rest
+
+
+class HermesParser(ToolCallParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among the text (Qwen2.5, Qwen3,
+    Hermes): each block goes out whole once it closes."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        super().__init__()
+        self.buf, self.inside = "", False
+
+    def _block(self, block: str, closed: bool) -> tuple[str, list[dict]]:
+        try:
+            obj = json.loads(block)
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                args = obj.get("arguments", obj.get("parameters", {}))
+                self.space = ""  # the blank lines before a call
+                return "", [self.call(obj["name"], _arguments(args))]
+        except json.JSONDecodeError:
+            pass
+        return self.text(self.OPEN + block + (self.CLOSE if closed else "")), []
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.buf += text
+        content, calls = "", []
+        while True:
+            if not self.inside:
+                at = self.buf.find(self.OPEN)
+                if at < 0:
+                    keep = partial_tail(self.buf, self.OPEN)
+                    content += self.text(self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    return content, calls
+                content += self.text(self.buf[:at])
+                self.buf, self.inside = self.buf[at + len(self.OPEN):], True
+            at = self.buf.find(self.CLOSE)
+            if at < 0:
+                return content, calls
+            c, found = self._block(self.buf[:at], closed=True)
+            content, calls = content + c, calls + found
+            self.buf, self.inside = self.buf[at + len(self.CLOSE):], False
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """A block the output left open (cut by max_tokens, or the model stopped before closing it) is a
+        call if what it holds parses, else content."""
+        content, calls = "", []
+        if self.inside:
+            content, calls = self._block(self.buf, closed=False)
+            self.inside = False
+        else:
+            content = self.text(self.buf)
+        self.buf = ""
+        return content + self.rest(), calls
+
+
+class Llama3JsonParser(ToolCallParser):
+    """Llama 3.1+ JSON calls: an answer that opens with ``{`` (or ``<|python_tag|>``) is one or more
+    ``{"name": ..., "parameters": {...}}`` objects separated by ``;``. Such an answer is held to its end
+    and parsed whole; any other answer streams as content."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self):
+        super().__init__()
+        self.buf, self.mode = "", "lead"
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.mode == "lead":
+            self.buf += text
+            head = self.buf.lstrip()
+            if not head or (len(head) < len(self.TAG) and self.TAG.startswith(head)):
+                return "", []
+            self.mode = "calls" if head.startswith(("{", self.TAG)) else "text"
+            if self.mode == "calls":
+                return "", []
+            text, self.buf = self.buf, ""
+        elif self.mode == "calls":
+            self.buf += text
+            return "", []
+        return self.text(text), []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        held, self.buf = self.buf, ""
+        if self.mode != "calls":
+            return self.text(held) + self.rest(), []
+        source, found, pos = held.strip().removeprefix(self.TAG), [], 0
+        decoder = json.JSONDecoder()
+        try:
+            while True:
+                while pos < len(source) and source[pos] in " \t\r\n;":
+                    pos += 1
+                if pos == len(source):
+                    break
+                obj, pos = decoder.raw_decode(source, pos)
+                if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+                    raise ValueError("not a call")
+                found.append((obj["name"], _arguments(obj.get("parameters", obj.get("arguments", {})))))
+        except ValueError:  # JSONDecodeError is one: what does not parse as calls is the answer's text
+            return self.text(held) + self.rest(), []
+        return "", [self.call(name, args) for name, args in found]
+
+
+class NamedCallParser(ToolCallParser):
+    """tool_choice naming a function: the whole output is its arguments (the grammar saw to that), streamed
+    as they come."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if not text:
+            return "", []
+        if not self.calls:
+            return "", [self.call(self.name, text)]
+        return "", [{"index": 0, "function": {"arguments": text}}]
+
+    def finish(self) -> tuple[str, list[dict]]:
+        return "", []
+
+
+class RequiredCallsParser(ToolCallParser):
+    """tool_choice "required": the output is a JSON list of {"name", "parameters"} (the grammar saw to
+    that), parsed once it is complete; cut short by max_tokens, it is returned as content."""
+
+    def __init__(self):
+        super().__init__()
+        self.buf = ""
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.buf += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        held, self.buf = self.buf, ""
+        try:
+            items = json.loads(held)
+            return "", [self.call(item["name"], _arguments(item["parameters"])) for item in items]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return held, []
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

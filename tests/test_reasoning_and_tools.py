@@ -1,0 +1,251 @@
+"""Reasoning models and tool calls in the chat API, as vLLM's --reasoning-parser and tool calling give them.
+
+The parsers are checked on scripted text cut at every position (a tag split between two deltas must
+still be found); through the server, a regex (structured output) scripts what the tiny model writes,
+and forced tool choices parse on its random weights because the grammar makes them."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from pagedserve.cli import main
+from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.server.reasoning import ReasoningSplitter
+from pagedserve.server.tools import HermesParser, Llama3JsonParser, RequiredCallsParser
+from tests.serving import running_server
+
+ENGINE = ("--kv-cache-memory", "16MiB", "--max-model-len", "1024")
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if open_think %}<think>\n{% endif %}{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def pieces(make, text: str, step: int) -> list:
+    """Feed ``text`` ``step`` characters at a time, then finish: every piece the parser returned."""
+    parser = make()
+    return [parser.feed(text[i:i + step]) for i in range(0, len(text), step)] + [parser.finish()]
+
+
+@pytest.mark.parametrize("parser, opened, constrained, text, reasoning, content", [
+    ("qwen3", False, False, "<think>\nWeigh it.\n</think>\n\nIt is 4.", "\nWeigh it.\n", "It is 4."),
+    ("qwen3", False, False, "It is 4, no <think> here.", "", "It is 4, no <think> here."),
+    ("qwen3", False, False, "I think </think> is a tag.", "", "I think </think> is a tag."),
+    ("qwen3", False, False, "<think>cut short by max_tok", "cut short by max_tok", ""),
+    ("qwen3", True, False, "Weigh it.</think>It is 4.", "Weigh it.", "It is 4."),
+    ("deepseek_r1", False, False, "Weigh it.\n</think>\n\nIt is 4.", "Weigh it.\n", "It is 4."),
+    ("deepseek_r1", False, False, "<think>Weigh it.</think>It is 4 <think>.", "Weigh it.", "It is 4 <think>."),
+    # under a grammar the output is the answer, unless it opens a block itself
+    ("deepseek_r1", False, True, '{"a": "</think>"}', "", '{"a": "</think>"}'),
+    ("qwen3", True, True, "<think>Weigh.</think>{}", "Weigh.", "{}"),
+])
+def test_reasoning_is_split_from_the_answer_wherever_the_stream_cuts_it(parser, opened, constrained, text,
+                                                                        reasoning, content):
+    for step in range(1, len(text) + 1):
+        got = pieces(lambda: ReasoningSplitter(parser, opened, constrained), text, step)
+        # the joins hold no tag: none leaked, not even in part when it arrived a character at a time
+        assert "".join(r for r, _ in got) == reasoning and "".join(c for _, c in got) == content, step
+
+
+def joined(got: list) -> tuple[str, list[tuple[str, dict]]]:
+    calls = [c for _, cs in got for c in cs]
+    assert [c["index"] for c in calls] == list(range(len(calls)))
+    return "".join(t for t, _ in got), [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                         for c in calls]
+
+
+def test_hermes_calls_come_out_of_the_text_and_anything_else_stays_content():
+    calls = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\n')
+    cases = [
+        ("Let me look.\n\n" + calls, "Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
+        (calls, "", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
+        # a block that is not a call is the answer's text, tags and all; so is a lone tag
+        ("See <tool_call>not json</tool_call> and </tool_call> there.\n",
+         "See <tool_call>not json</tool_call> and </tool_call> there.\n", []),
+        # the model stopped before closing its block: a call if what it wrote parses
+        ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n', "", [("get_time", {"zone": "UTC"})]),
+        ('<tool_call>\n{"name": "get_time", "argu', '<tool_call>\n{"name": "get_time", "argu', []),
+    ]
+    for text, content, expected in cases:
+        for step in (1, 2, 5, 13, len(text)):
+            assert joined(pieces(HermesParser, text, step)) == (content, expected), (text, step)
+
+
+def test_llama3_json_calls_are_the_whole_answer_or_none_of_it():
+    two = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", "parameters": {}}'
+    cases = [
+        (two, "", [("get_time", {"zone": "UTC"}), ("get_weather", {})]),
+        (' {"name": "get_time", "arguments": {"zone": "CET"}}', "", [("get_time", {"zone": "CET"})]),
+        ("The time is noon.\n", "The time is noon.\n", []),
+        ('{"not": "a call"}', '{"not": "a call"}', []),
+        ('{"name": "get_time", "param', '{"name": "get_time", "param', []),
+    ]
+    for text, content, expected in cases:
+        for step in (1, 3, len(text)):
+            assert joined(pieces(Llama3JsonParser, text, step)) == (content, expected), (text, step)
+
+
+def test_required_calls_cut_short_are_returned_as_text():
+    assert joined(pieces(RequiredCallsParser, '[{"name": "get_time", "parameters": {"zone": "UTC"}}]', 4)) == \
+        ("", [("get_time", {"zone": "UTC"})])
+    assert joined(pieces(RequiredCallsParser, '[{"name": "get_ti', 4)) == ('[{"name": "get_ti', [])
+
+
+def test_messages_with_calls_reach_the_template_with_their_arguments_as_a_mapping():
+    message = ChatMessage(role="assistant", content=None, tool_calls=[
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}])
+    assert message.as_dict()["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]
+    body = {"messages": USER, "tools": [TIME]}
+    assert "tools" in ChatCompletionRequest(**body).template_args(True)
+    assert "tools" in ChatCompletionRequest(**body, tool_choice="none").template_args(True)
+    assert "tools" not in ChatCompletionRequest(**body, tool_choice="none").template_args(True, tools_when_none=False)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    flags = (*ENGINE, "--chat-template", str(template), "--reasoning-parser", "qwen3",
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with running_server(*flags) as (url, _):
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def scripted(text: str) -> dict:
+    """extra_body that makes the tiny model write exactly ``text`` (a regex of the literal)."""
+    regex = "".join("\\" + ch if ch in "\\.^$*+?()[]{}|" else "\\n" if ch == "\n" else ch for ch in text)
+    return {"structured_outputs": {"regex": regex}}
+
+
+def stream_of(client, **kwargs) -> tuple[list, dict]:
+    chunks = [c for c in client.chat.completions.create(model="tiny", stream=True, **kwargs) if c.choices]
+    parts = {"reasoning": "", "content": "", "calls": {}}
+    for c in chunks:
+        d = c.choices[0].delta
+        parts["reasoning"] += (d.model_extra or {}).get("reasoning_content") or ""
+        parts["content"] += d.content or ""
+        for call in d.tool_calls or []:
+            slot = parts["calls"].setdefault(call.index, {"name": None, "arguments": ""})
+            slot["name"] = slot["name"] or call.function.name
+            slot["arguments"] += call.function.arguments or ""
+    return chunks, parts
+
+
+def test_reasoning_comes_apart_from_the_answer(server):
+    _, client = server
+    text = "<think>\nTwo and two.\n</think>\n\nFour."
+    args = dict(messages=USER, max_tokens=60, temperature=0, extra_body=scripted(text))
+    answer = client.chat.completions.create(model="tiny", **args)
+    message = answer.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == ("\nTwo and two.\n", "Four.")
+    assert message.model_extra["reasoning"] == "\nTwo and two.\n" and answer.choices[0].finish_reason == "stop"
+    chunks, parts = stream_of(client, **args)
+    assert (parts["reasoning"], parts["content"]) == ("\nTwo and two.\n", "Four.")
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.choices[0].delta.role is None for c in chunks[1:])
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # a template that opens the block in the prompt: the output reasons from its first token, here to its
+    # last (random weights do not close the block)
+    opened = dict(messages=USER, max_tokens=20, temperature=0, extra_body={"chat_template_kwargs": {"open_think": True}})
+    message = client.chat.completions.create(model="tiny", **opened).choices[0].message
+    assert message.content is None and len(message.model_extra["reasoning_content"]) > 0
+    hidden = dict(args, extra_body={**scripted(text), "include_reasoning": False})
+    message = client.chat.completions.create(model="tiny", **hidden).choices[0].message
+    assert "reasoning_content" not in message.model_extra and message.content == "Four."
+
+
+def test_auto_tool_calls_with_the_openai_sdk(server):
+    _, client = server
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    args = dict(messages=USER, tools=[WEATHER, TIME], max_tokens=80, temperature=0, extra_body=scripted(call))
+    answer = client.chat.completions.create(model="tiny", **args)
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "tool_calls" and message.content is None
+    (made,) = message.tool_calls
+    assert made.type == "function" and made.id.startswith("chatcmpl-tool-")
+    assert (made.function.name, json.loads(made.function.arguments)) == ("get_weather", {"city": "Paris"})
+    chunks, parts = stream_of(client, **args)
+    assert parts["calls"] == {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'}} and not parts["content"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the call goes back into the conversation, with the tool's result, and the template renders both
+    follow = USER + [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": made.id, "content": "Sunny, 21 C"}]
+    again = client.chat.completions.create(model="tiny", messages=follow, tools=[WEATHER], max_tokens=5,
+                                           temperature=0)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # without a call in what the model writes, the answer is its text
+    plain = client.chat.completions.create(model="tiny", **dict(args, extra_body=scripted("No need.")))
+    assert plain.choices[0].message.content == "No need." and not plain.choices[0].message.tool_calls
+
+
+def test_forced_tool_choices_parse_on_random_weights(server):
+    _, client = server
+    named = dict(messages=USER, tools=[WEATHER, TIME], max_tokens=60, temperature=0.8, seed=3,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (made,) = client.chat.completions.create(model="tiny", **named).choices[0].message.tool_calls
+    assert made.function.name == "get_weather" and set(json.loads(made.function.arguments)) == {"city"}
+    _, parts = stream_of(client, **named)
+    assert parts["calls"][0]["name"] == "get_weather" and set(json.loads(parts["calls"][0]["arguments"])) == {"city"}
+    required = dict(messages=USER, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120, temperature=1.0)
+    for seed in range(3):
+        answer = client.chat.completions.create(model="tiny", seed=seed, **required).choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.tool_calls
+        for made in answer.message.tool_calls:
+            assert set(json.loads(made.function.arguments)) == {"get_weather": {"city"}, "get_time": {"zone"}}[
+                made.function.name]
+    single = client.chat.completions.create(model="tiny", seed=5, parallel_tool_calls=False, **required)
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_tools_reach_the_template_and_tokenize(server):
+    url, _ = server
+    conversation = USER + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    tokens = httpx.post(f"{url}/tokenize", json={"messages": conversation, "tools": [WEATHER]}).json()["tokens"]
+    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert "Tools: get_weather" in text and '"arguments": {"city": "Paris"}}</tool_call>' in text
+
+
+@pytest.mark.parametrize("extra, param, fragment", [
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "share a name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "one structured output"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", ""),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages", "not JSON"),
+])
+def test_bad_tool_requests_get_400_naming_the_field(server, extra, param, fragment):
+    url, _ = server
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **extra}, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"].startswith(param) and fragment in error["message"], r.text
+
+
+def test_auto_tool_choice_needs_the_server_flags(capsys):
+    with running_server(*ENGINE) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]}, timeout=30)
+        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                       json={"messages": USER, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "tiny", *ENGINE, "--enable-auto-tool-choice"])
+    assert e.value.code == 2 and "--tool-call-parser" in capsys.readouterr().err
