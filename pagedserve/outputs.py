@@ -52,6 +52,7 @@ class RequestOutput:
     metrics: RequestMetrics = field(default=None)
     # prompt_logprobs: per prompt token, its logprob and the top-N (None for the first, which has no context)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave when the request was first scheduled
 
 
 def combine(deltas: list[RequestOutput]) -> RequestOutput:
@@ -63,4 +64,5 @@ def combine(deltas: list[RequestOutput]) -> RequestOutput:
     completion = CompletionOutput(c.index, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
                                   c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason)
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [completion], last.finished, last.metrics,
-                         next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None))
+                         next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+                         last.num_cached_tokens)

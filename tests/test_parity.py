@@ -111,6 +111,26 @@ def test_parallel_samples_share_the_prompt_blocks(server):
     assert [c.index for c in offline.outputs] == [0, 1] and offline.outputs[0].token_ids != offline.outputs[1].token_ids
 
 
+def test_cached_prompt_tokens_and_continuous_usage():
+    """--enable-prompt-tokens-details: usage says how much of the prompt the prefix cache gave; and
+    stream_options.continuous_usage_stats puts the usage so far on every chunk."""
+    with running_server(*ENGINE, "--enable-prompt-tokens-details") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        prompt = list(range(3, 103))  # 100 tokens: six full blocks of 16
+        cached = [client.completions.create(model="tiny", prompt=prompt, max_tokens=2).usage
+                  .prompt_tokens_details.cached_tokens for _ in range(2)]
+        assert cached == [0, 96]
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=2)
+        assert chat.usage.prompt_tokens_details.cached_tokens == 0
+        chunks = list(client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 5 and all(c.usage.prompt_tokens == 100 for c in chunks)
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 96
+
+
 def test_logprobs_in_openai_shape(server):
     url, client = server
     c = client.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0, logprobs=2,

@@ -307,7 +307,7 @@ class OutputProcessor:
         if st.kind is RequestOutputKind.DELTA:
             prompt_logprobs, st.sent_prompt_logprobs = (None if st.sent_prompt_logprobs else prompt_logprobs), True
         return RequestOutput(st.request.request_id, st.prompt, st.request.prompt_token_ids,
-                             [completion], finished, st.metrics, prompt_logprobs)
+                             [completion], finished, st.metrics, prompt_logprobs, st.request.num_cached_tokens)
 
     def _delta(self, st: _State, finished: bool) -> RequestOutput | None:
         """What is new since the last output; text that might still become part of a stop string waits

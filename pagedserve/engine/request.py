@@ -54,6 +54,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    num_cached_tokens: int = 0             # prompt tokens found in the prefix cache when first scheduled
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

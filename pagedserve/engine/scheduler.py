@@ -172,7 +172,7 @@ class Scheduler:
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
+                    req.first_scheduled_time, req.num_cached_tokens = now, num_cached
                 self.running.append(req)
                 self._schedule(req, n, out)
                 budget -= n

@@ -98,6 +98,8 @@ def add_serve_parser(sub) -> None:
                    help="How the model writes tool calls (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1+).")
     s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="Leave the tools out of the prompt when a request's tool_choice is \"none\".")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="Add usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache gave.")
     s.add_argument("--config", default=None, help="A YAML file of flags (names with - or _), as vLLM's; flags "
                                                   "on the command line win.")
     s.add_argument("--enable-log-requests", action="store_true", help="Log each request as it is admitted.")
@@ -171,7 +173,8 @@ def build_server(ns: argparse.Namespace, worker=None):
                               trust_request_chat_template=ns.trust_request_chat_template,
                               log_requests=ns.enable_log_requests, reasoning_parser=ns.reasoning_parser,
                               tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
-                              tools_when_none=not ns.exclude_tools_when_tool_choice_none)
+                              tools_when_none=not ns.exclude_tools_when_tool_choice_none,
+                              prompt_tokens_details=ns.enable_prompt_tokens_details)
     app = build_app(engine, settings)
     # uvicorn's own deadline comes after ours, so it finds every stream already ended
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),

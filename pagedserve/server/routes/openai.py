@@ -54,8 +54,9 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
                 "finish_reason": c.finish_reason if out.finished else None,
                 "stop_reason": c.stop_reason if out.finished else None}
 
-    return await _respond(body, raw, streams, params.n, head, choice, lambda finals: {
-        **head, "choices": [choice(i, out) for i, out in enumerate(finals)], "usage": _Usage.of(finals, params.n)})
+    return await _respond(body, raw, streams, _Usage(params.n, state.settings.prompt_tokens_details), head, choice,
+                          lambda finals, usage: {**head, "choices": [choice(i, out) for i, out in enumerate(finals)],
+                                                 "usage": usage})
 
 
 @router.post("/v1/chat/completions")
@@ -105,7 +106,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
                 "finish_reason": parsers[j].finish_reason(c.finish_reason) if out.finished else None,
                 "stop_reason": c.stop_reason if out.finished else None}
 
-    def final(finals: list[RequestOutput]) -> dict:
+    def final(finals: list[RequestOutput], usage: dict) -> dict:
         choices = []
         for j, out in enumerate(finals):
             c = out.outputs[0]
@@ -113,30 +114,36 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
                             "logprobs": logprobs(c), "finish_reason": parsers[j].finish_reason(c.finish_reason),
                             "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": _Usage.of(finals, params.n)}
+                "usage": usage}
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    return await _respond(body, raw, streams, params.n, head, delta, final)
+    return await _respond(body, raw, streams, _Usage(params.n, settings.prompt_tokens_details), head, delta, final)
 
 
-async def _respond(body, raw: Request, streams: list, n: int, head: dict,
-                   chunk: Callable[[int, RequestOutput], dict | None], final: Callable[[list[RequestOutput]], dict]):
-    """Stream the outputs as SSE (``chunk(index, output)`` for each output as it comes, unless None, then
-    the usage if asked), or wait for them all and answer ``final(outputs)``; 499 when the client left
-    before the end."""
+async def _respond(body, raw: Request, streams: list, usage: _Usage, head: dict,
+                   chunk: Callable[[int, RequestOutput], dict | None],
+                   final: Callable[[list[RequestOutput], dict], dict]):
+    """Stream the outputs as SSE (``chunk(index, output)`` for each output as it comes, unless None, with
+    the usage so far if asked for continuously; then the usage if asked), or wait for them all and answer
+    ``final(outputs, usage)``; 499 when the client left before the end."""
     if body.stream:
+        every = body.include_usage and body.stream_options.continuous_usage_stats
+
         async def events():
-            usage = _Usage(n)
             async for i, out in merged(streams):
                 usage.add(i, out)
                 if (choice := chunk(i, out)) is not None:
-                    yield {**head, "choices": [choice]}
+                    yield {**head, "choices": [choice], **({"usage": usage.json()} if every else {})}
             if body.include_usage:
                 yield {**head, "choices": [], "usage": usage.json()}
 
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
     finals = await final_outputs(raw, streams)
-    return Response(status_code=499) if finals is None else final(finals)
+    if finals is None:
+        return Response(status_code=499)
+    for i, out in enumerate(finals):
+        usage.add(i, out)
+    return final(finals, usage.json())
 
 
 @router.get("/v1/models")
@@ -148,25 +155,24 @@ async def models(state: ServerState = Depends(server_state)):
 
 
 class _Usage:
-    """Token usage of one call: a prompt counts once, however many samples (n) it has."""
+    """Token usage of one call: a prompt counts once, however many samples (n) it has; with ``details``
+    (--enable-prompt-tokens-details), how many of its tokens the prefix cache gave."""
 
-    def __init__(self, n: int):
-        self.n, self.prompts, self.completion = n, {}, 0
+    def __init__(self, n: int, details: bool):
+        self.n, self.details, self.prompts, self.cached, self.completion = n, details, {}, {}, 0
 
     def add(self, index: int, out: RequestOutput) -> None:
         self.prompts[index // self.n] = len(out.prompt_token_ids)
+        self.cached.setdefault(index // self.n, out.num_cached_tokens)  # the first sample's: the others share it
         self.completion += len(out.outputs[0].token_ids)
 
     def json(self) -> dict:
         prompt = sum(self.prompts.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion}
+        if self.details:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(self.cached.values())}
+        return usage
 
-    @classmethod
-    def of(cls, finals: list[RequestOutput], n: int) -> dict:
-        usage = cls(n)
-        for i, out in enumerate(finals):
-            usage.add(i, out)
-        return usage.json()
 
 
 def _top(entry: dict, n: int) -> list:
