@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pagedserve.errors import ConfigError, InvalidRequestError
+from pagedserve.reasoning import REASONING_PARSERS
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -271,6 +272,7 @@ class EngineArgs:
     load_format: str = _arg("auto", "auto/safetensors: read *.safetensors; dummy: random weights of the architecture.")
     seed: int = _arg(0, "Seed for dummy weights and for sampling without a per-request seed.")
     generation_config: str = _arg("auto", "Default sampling parameters for requests that leave them unset: auto (the model folder's generation_config.json, as its authors recommend: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; its eos_token_id also ends a sequence), vllm (neutral defaults; the file is ignored), or a folder with a generation_config.json.")
+    reasoning_parser: str | None = _arg(None, "A reasoning model's <think> convention: qwen3 (Qwen3) or deepseek_r1 (DeepSeek-R1, QwQ). The server returns the reasoning apart from the answer (reasoning_content), and a structured-output grammar holds only from the end of the reasoning.")
     max_model_len: int | None = _arg(None, "Context length (prompt + output); accepts 8k-style values. Default: the model's max_position_embeddings.", size=True)
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step (default 8192 on CUDA, 2048 on CPU; max_model_len without chunked prefill).", size=True)
@@ -305,6 +307,9 @@ class EngineArgs:
         if self.quantization not in (None, "none"):
             raise ConfigError(f"{flag('quantization')} {self.quantization}: quantized weights do not run here (only "
                               f"16- and 32-bit weights do). To save memory, --kv-cache-dtype fp8 halves the KV cache.")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"{flag('reasoning_parser')} {self.reasoning_parser}: not one of "
+                              f"{', '.join(REASONING_PARSERS)} (leave it out for a model that does not reason).")
         if self.load_format not in _LOAD_FORMATS:
             raise ConfigError(f"{flag('load_format')}: {self.load_format!r} is not one of {', '.join(_LOAD_FORMATS)}.")
         source = resolve_model(self.model, "dummy" if plan_for else self.load_format)

@@ -24,6 +24,7 @@ def config_error(**kwargs) -> str:
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024),
      ["--max-num-batched-tokens", "512", "1024", "--enable-chunked-prefill"]),
     (dict(block_size=12), ["--block-size", "12"]),
+    (dict(reasoning_parser="qwen"), ["--reasoning-parser", "qwen3, deepseek_r1"]),
     (dict(gpu_memory_utilization=1.5), ["--gpu-memory-utilization"]),
     (dict(max_model_len=100_000), ["--max-model-len", "100000", "2048"]),
     (dict(max_model_len="lots"), ["--max-model-len", "lots"]),

@@ -294,7 +294,7 @@ def test_structured_outputs_hold_even_random_weights_to_the_format(llm):
         else:
             assert re.fullmatch("[0-9]{3}-[a-z]{2}", text)
     assert outs[-1].outputs[0].token_ids == alone
-    grammar = llm.engine.inputs.grammars.grammar({"choice": ["yes"]})
+    grammar = llm.engine.inputs.grammars.grammar({"choice": ["yes"]}, [1, 2])
     grammar.accept(llm.get_tokenizer().encode("no", add_special_tokens=False)[0])  # what the mask forbids
     assert grammar.terminated  # that request ends; nothing raises into the step the others share
     with pytest.raises(InvalidRequestError, match="structured_outputs"):

@@ -14,7 +14,7 @@ import pytest
 
 from pagedserve.cli import main
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
-from pagedserve.server.reasoning import ReasoningSplitter
+from pagedserve.reasoning import ReasoningSplitter, prompt_state
 from pagedserve.server.tools import HermesParser, Llama3JsonParser, RequiredCallsParser
 from tests.serving import running_server
 
@@ -24,7 +24,9 @@ TEMPLATE = (
     "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
     "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if open_think %}<think>\n{% endif %}{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if open_think %}<think>\n{% endif %}"
+    "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # as Qwen3's template renders it
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -41,24 +43,28 @@ def pieces(make, text: str, step: int) -> list:
     return [parser.feed(text[i:i + step]) for i in range(0, len(text), step)] + [parser.finish()]
 
 
-@pytest.mark.parametrize("parser, opened, constrained, text, reasoning, content", [
-    ("qwen3", False, False, "<think>\nWeigh it.\n</think>\n\nIt is 4.", "\nWeigh it.\n", "It is 4."),
-    ("qwen3", False, False, "It is 4, no <think> here.", "", "It is 4, no <think> here."),
-    ("qwen3", False, False, "I think </think> is a tag.", "", "I think </think> is a tag."),
-    ("qwen3", False, False, "<think>cut short by max_tok", "cut short by max_tok", ""),
-    ("qwen3", True, False, "Weigh it.</think>It is 4.", "Weigh it.", "It is 4."),
-    ("deepseek_r1", False, False, "Weigh it.\n</think>\n\nIt is 4.", "Weigh it.\n", "It is 4."),
-    ("deepseek_r1", False, False, "<think>Weigh it.</think>It is 4 <think>.", "Weigh it.", "It is 4 <think>."),
-    # under a grammar the output is the answer, unless it opens a block itself
-    ("deepseek_r1", False, True, '{"a": "</think>"}', "", '{"a": "</think>"}'),
-    ("qwen3", True, True, "<think>Weigh.</think>{}", "Weigh.", "{}"),
+@pytest.mark.parametrize("parser, prompt, text, reasoning, content", [
+    ("qwen3", "none", "<think>\nWeigh it.\n</think>\n\nIt is 4.", "\nWeigh it.\n", "It is 4."),
+    ("qwen3", "none", "It is 4, no <think> here.", "", "It is 4, no <think> here."),
+    ("qwen3", "none", "I think </think> is a tag.", "", "I think </think> is a tag."),
+    ("qwen3", "none", "<think>cut short by max_tok", "cut short by max_tok", ""),
+    ("qwen3", "open", "Weigh it.</think>It is 4.", "Weigh it.", "It is 4."),
+    ("qwen3", "closed", '{"a": "</think>"}', "", '{"a": "</think>"}'),
+    ("deepseek_r1", "none", "Weigh it.\n</think>\n\nIt is 4.", "Weigh it.\n", "It is 4."),
+    ("deepseek_r1", "none", "<think>Weigh it.</think>It is 4 <think>.", "Weigh it.", "It is 4 <think>."),
+    ("deepseek_r1", "closed", '{"a": "</think>"}', "", '{"a": "</think>"}'),  # thinking turned off
 ])
-def test_reasoning_is_split_from_the_answer_wherever_the_stream_cuts_it(parser, opened, constrained, text,
-                                                                        reasoning, content):
+def test_reasoning_is_split_from_the_answer_wherever_the_stream_cuts_it(parser, prompt, text, reasoning, content):
     for step in range(1, len(text) + 1):
-        got = pieces(lambda: ReasoningSplitter(parser, opened, constrained), text, step)
+        got = pieces(lambda: ReasoningSplitter(parser, prompt), text, step)
         # the joins hold no tag: none leaked, not even in part when it arrived a character at a time
         assert "".join(r for r, _ in got) == reasoning and "".join(c for _, c in got) == content, step
+
+
+def test_the_prompt_says_whether_reasoning_is_under_way():
+    assert prompt_state("<|im_start|>assistant\n") == "none"
+    assert prompt_state("<|im_start|>assistant\n<think>\n") == "open"
+    assert prompt_state("<|im_start|>assistant\n<think>\n\n</think>\n\n") == "closed"
 
 
 def joined(got: list) -> tuple[str, list[tuple[str, dict]]]:
@@ -71,9 +77,10 @@ def joined(got: list) -> tuple[str, list[tuple[str, dict]]]:
 def test_hermes_calls_come_out_of_the_text_and_anything_else_stays_content():
     calls = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\n')
+    both = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
     cases = [
-        ("Let me look.\n\n" + calls, "Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
-        (calls, "", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
+        ("Let me look.\n\n" + calls, "Let me look.", both),
+        (calls, "", both),
         # a block that is not a call is the answer's text, tags and all; so is a lone tag
         ("See <tool_call>not json</tool_call> and </tool_call> there.\n",
          "See <tool_call>not json</tool_call> and </tool_call> there.\n", []),
@@ -123,14 +130,15 @@ def server(tmp_path_factory):
     template.write_text(TEMPLATE)
     flags = (*ENGINE, "--chat-template", str(template), "--reasoning-parser", "qwen3",
              "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    with running_server(*flags) as (url, _):
-        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with running_server(*flags) as (url, app):
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), app
 
 
 def scripted(text: str) -> dict:
-    """extra_body that makes the tiny model write exactly ``text`` (a regex of the literal)."""
+    """extra_body that makes the tiny model write exactly ``text``: a regex of the literal, which holds from
+    the first token as the prompt turns thinking off."""
     regex = "".join("\\" + ch if ch in "\\.^$*+?()[]{}|" else "\\n" if ch == "\n" else ch for ch in text)
-    return {"structured_outputs": {"regex": regex}}
+    return {"structured_outputs": {"regex": regex}, **NO_THINKING}
 
 
 def stream_of(client, **kwargs) -> tuple[list, dict]:
@@ -148,7 +156,7 @@ def stream_of(client, **kwargs) -> tuple[list, dict]:
 
 
 def test_reasoning_comes_apart_from_the_answer(server):
-    _, client = server
+    _, client, _ = server
     text = "<think>\nTwo and two.\n</think>\n\nFour."
     args = dict(messages=USER, max_tokens=60, temperature=0, extra_body=scripted(text))
     answer = client.chat.completions.create(model="tiny", **args)
@@ -161,7 +169,8 @@ def test_reasoning_comes_apart_from_the_answer(server):
     assert chunks[-1].choices[0].finish_reason == "stop"
     # a template that opens the block in the prompt: the output reasons from its first token, here to its
     # last (random weights do not close the block)
-    opened = dict(messages=USER, max_tokens=20, temperature=0, extra_body={"chat_template_kwargs": {"open_think": True}})
+    opened = dict(messages=USER, max_tokens=20, temperature=0,
+                  extra_body={"chat_template_kwargs": {"open_think": True}})
     message = client.chat.completions.create(model="tiny", **opened).choices[0].message
     assert message.content is None and len(message.model_extra["reasoning_content"]) > 0
     hidden = dict(args, extra_body={**scripted(text), "include_reasoning": False})
@@ -170,7 +179,7 @@ def test_reasoning_comes_apart_from_the_answer(server):
 
 
 def test_auto_tool_calls_with_the_openai_sdk(server):
-    _, client = server
+    _, client, _ = server
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     args = dict(messages=USER, tools=[WEATHER, TIME], max_tokens=80, temperature=0, extra_body=scripted(call))
     answer = client.chat.completions.create(model="tiny", **args)
@@ -194,14 +203,15 @@ def test_auto_tool_calls_with_the_openai_sdk(server):
 
 
 def test_forced_tool_choices_parse_on_random_weights(server):
-    _, client = server
+    _, client, _ = server
     named = dict(messages=USER, tools=[WEATHER, TIME], max_tokens=60, temperature=0.8, seed=3,
-                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                 extra_body=NO_THINKING, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (made,) = client.chat.completions.create(model="tiny", **named).choices[0].message.tool_calls
     assert made.function.name == "get_weather" and set(json.loads(made.function.arguments)) == {"city"}
     _, parts = stream_of(client, **named)
     assert parts["calls"][0]["name"] == "get_weather" and set(json.loads(parts["calls"][0]["arguments"])) == {"city"}
-    required = dict(messages=USER, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120, temperature=1.0)
+    required = dict(messages=USER, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120, temperature=1.0,
+                    extra_body=NO_THINKING)
     for seed in range(3):
         answer = client.chat.completions.create(model="tiny", seed=seed, **required).choices[0]
         assert answer.finish_reason == "tool_calls" and answer.message.tool_calls
@@ -212,8 +222,33 @@ def test_forced_tool_choices_parse_on_random_weights(server):
     assert len(single.choices[0].message.tool_calls) == 1
 
 
+def test_a_grammar_holds_from_the_end_of_the_reasoning(server):
+    url, client, app = server
+    grammars = app.state.engine.inputs.grammars
+    tok = app.state.engine.tokenizer
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    thinking = grammars.grammar({"choice": ["yes", "no"]}, ids("<|im_start|>assistant\n"))
+    for t in ids("<think>Maybe {</think>"):
+        assert not thinking.active and not thinking.terminated  # the reasoning is free
+        thinking.accept(t)
+    assert thinking.active
+    for t in [*ids("yes"), app.state.engine.inputs.eos_token_ids[0]]:
+        assert not thinking.terminated
+        thinking.accept(t)
+    assert thinking.terminated  # the choice, then the end: the grammar has followed every token since </think>
+    assert grammars.grammar({"choice": ["yes"]}, ids("assistant\n<think>\n\n</think>\n\n")).active
+    # through the server: while the model reasons (random weights never close the block) the grammar
+    # waits, so the text is free; with thinking turned off it holds from the first token
+    ask = dict(messages=USER, max_tokens=12, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    free = client.chat.completions.create(model="tiny", **ask).choices[0]
+    held = client.chat.completions.create(model="tiny", **dict(ask, extra_body={"guided_choice": ["yes", "no"],
+                                                                                  **NO_THINKING})).choices[0]
+    assert free.finish_reason == "length" and free.message.content not in ("yes", "no")
+    assert held.finish_reason == "stop" and held.message.content in ("yes", "no")
+
+
 def test_tools_reach_the_template_and_tokenize(server):
-    url, _ = server
+    url, _, _ = server
     conversation = USER + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
     tokens = httpx.post(f"{url}/tokenize", json={"messages": conversation, "tools": [WEATHER]}).json()["tokens"]
@@ -233,7 +268,7 @@ def test_tools_reach_the_template_and_tokenize(server):
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages", "not JSON"),
 ])
 def test_bad_tool_requests_get_400_naming_the_field(server, extra, param, fragment):
-    url, _ = server
+    url, _, _ = server
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **extra}, timeout=30)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"].startswith(param) and fragment in error["message"], r.text

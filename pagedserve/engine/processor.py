@@ -50,7 +50,8 @@ class InputProcessor:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.grammars = GrammarCompiler(tokenizer, config.model.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, config.model.vocab_size, self.eos_token_ids,
+                                        config.args.reasoning_parser)
         # no token covers more characters than the vocabulary's longest entry: a text longer than this
         # many characters has more than max_model_len tokens, and is refused before it is tokenized
         longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
@@ -112,10 +113,13 @@ class InputProcessor:
         first, text = self.make_request(f"{request_id}-0", prompt, params.child(0))
         return [(first, text)] + [
             (Request(f"{request_id}-{j}", first.prompt_token_ids, params.child(j), self.eos_token_ids, first.max_tokens,
-                     arrival_time=first.arrival_time, grammar=self._grammar(params)), text) for j in range(1, params.n)]
+                     arrival_time=first.arrival_time, grammar=self._grammar(params, first.prompt_token_ids)), text)
+            for j in range(1, params.n)]
 
-    def _grammar(self, params: SamplingParams):
-        return None if params.structured_outputs is None else self.grammars.grammar(params.structured_outputs)
+    def _grammar(self, params: SamplingParams, prompt_token_ids: list[int]):
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.grammar(params.structured_outputs, prompt_token_ids)
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                      arrival_time: float | None = None) -> tuple[Request, str | None]:
@@ -148,7 +152,7 @@ class InputProcessor:
                                   f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
                                   f"Please reduce the length of the prompt or max_tokens.")
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
-        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, grammar=self._grammar(params),
+        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, grammar=self._grammar(params, ids),
                        **kwargs), text
 
 

@@ -92,7 +92,7 @@ class StepBuilder:
         step = (self._seed_base, self._num_sampling_steps)
         seeds = [hash((p.seed, r.num_tokens_with_pending) if p.seed is not None else (*step, i)) & _SEED_MASK
                  for i, (r, p) in enumerate(zip(requests, sp))]
-        constrained = [(row, r.grammar) for row, r in enumerate(requests) if r.grammar is not None]
+        constrained = [(row, r.grammar) for row, r in enumerate(requests) if r.grammar is not None and r.grammar.active]
         rows = mask = None
         if constrained:
             rows = np.asarray([row for row, _ in constrained], dtype=np.int64)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.server.reasoning import ReasoningSplitter
+from pagedserve.reasoning import ReasoningSplitter
 from pagedserve.server.tools import ToolCallParser
 
 

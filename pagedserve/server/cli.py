@@ -63,7 +63,6 @@ class Server(uvicorn.Server):
 
 def add_serve_parser(sub) -> None:
     from pagedserve.args import add_engine_args
-    from pagedserve.server.reasoning import REASONING_PARSERS
     from pagedserve.server.tools import TOOL_CALL_PARSERS
 
     p = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
@@ -89,9 +88,6 @@ def add_serve_parser(sub) -> None:
                    help="A chat template (a file, or the template itself) used instead of the tokenizer's.")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="Render chat templates that requests send (a template is code: off by default).")
-    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                   help="Return what a reasoning model writes between <think> and </think> apart from its "
-                        "answer, as reasoning_content (qwen3: Qwen3; deepseek_r1: DeepSeek-R1, QwQ).")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser.")
     s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
@@ -171,7 +167,7 @@ def build_server(ns: argparse.Namespace, worker=None):
                               max_num_queued_tokens=ns.max_num_queued_tokens, shutdown_timeout=ns.shutdown_timeout,
                               log_stats_interval=0.0 if ns.disable_log_stats else 10.0, profiles=profiles,
                               trust_request_chat_template=ns.trust_request_chat_template,
-                              log_requests=ns.enable_log_requests, reasoning_parser=ns.reasoning_parser,
+                              log_requests=ns.enable_log_requests,
                               tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
                               tools_when_none=not ns.exclude_tools_when_tool_choice_none,
                               prompt_tokens_details=ns.enable_prompt_tokens_details)

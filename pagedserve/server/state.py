@@ -30,7 +30,6 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     max_request_body_bytes: int = 64 * 2**20
     log_requests: bool = False
-    reasoning_parser: str | None = None  # --reasoning-parser
     tool_call_parser: str | None = None  # set only with --enable-auto-tool-choice: tool_choice "auto" works
     tools_when_none: bool = True         # not --exclude-tools-when-tool-choice-none
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage names the cached prompt tokens

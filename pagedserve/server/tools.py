@@ -5,7 +5,8 @@ output), so it parses by construction; "auto" lets the model choose, and a parse
 format (``--tool-call-parser``) takes the calls out of the streamed text. Every parser is fed the answer
 as it streams and returns (content, calls): calls in the shape of streamed ``delta.tool_calls`` entries,
 which the non-streamed answer joins by index. Text that looked like a call but does not parse stays
-content, so nothing the model wrote is lost.
+content, so nothing the model wrote is lost. Control characters inside strings are taken (``strict=False``):
+models and grammars write them raw, and the arguments are written back out escaped.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from pagedserve.server.reasoning import partial_tail
+from pagedserve.reasoning import partial_tail
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -70,7 +71,7 @@ class HermesParser(ToolCallParser):
 
     def _block(self, block: str, closed: bool) -> tuple[str, list[dict]]:
         try:
-            obj = json.loads(block)
+            obj = json.loads(block, strict=False)
             if isinstance(obj, dict) and isinstance(obj.get("name"), str):
                 args = obj.get("arguments", obj.get("parameters", {}))
                 self.space = ""  # the blank lines before a call
@@ -143,7 +144,7 @@ class Llama3JsonParser(ToolCallParser):
         if self.mode != "calls":
             return self.text(held) + self.rest(), []
         source, found, pos = held.strip().removeprefix(self.TAG), [], 0
-        decoder = json.JSONDecoder()
+        decoder = json.JSONDecoder(strict=False)
         try:
             while True:
                 while pos < len(source) and source[pos] in " \t\r\n;":
@@ -193,7 +194,7 @@ class RequiredCallsParser(ToolCallParser):
     def finish(self) -> tuple[str, list[dict]]:
         held, self.buf = self.buf, ""
         try:
-            items = json.loads(held)
+            items = json.loads(held, strict=False)
             return "", [self.call(item["name"], _arguments(item["parameters"])) for item in items]
         except (json.JSONDecodeError, KeyError, TypeError):
             return held, []

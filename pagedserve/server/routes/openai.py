@@ -13,9 +13,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestOutput
+from pagedserve.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplitter, prompt_state
 from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedserve.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from pagedserve.server.state import ServerState, server_state
 from pagedserve.server.streaming import final_outputs, merged, sse_stream
 from pagedserve.server.tools import TOOL_CALL_PARSERS, NamedCallParser, RequiredCallsParser
@@ -76,12 +76,12 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await state.start(rid, [prompt], params)
     want_lp = params.logprobs is not None
-    opened = settings.reasoning_parser is not None and prompt_opens_reasoning(
-        state.engine.tokenizer.decode(prompt[-16:]))
+    reasoning_parser = state.engine.config.args.reasoning_parser
+    if reasoning_parser is not None:
+        prompt_reasons = prompt_state(state.engine.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
 
     def parser() -> ChatOutputParser:
-        reasoning = None if settings.reasoning_parser is None else ReasoningSplitter(
-            settings.reasoning_parser, opened, constrained=params.structured_outputs is not None)
+        reasoning = None if reasoning_parser is None else ReasoningSplitter(reasoning_parser, prompt_reasons)
         tools = (TOOL_CALL_PARSERS[settings.tool_call_parser]() if mode == "auto" else
                  NamedCallParser(function) if mode == "named" else
                  RequiredCallsParser() if mode == "required" else None)
@@ -168,7 +168,8 @@ class _Usage:
 
     def json(self) -> dict:
         prompt = sum(self.prompts.values())
-        usage = {"prompt_tokens": prompt, "completion_tokens": self.completion, "total_tokens": prompt + self.completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": self.completion,
+                 "total_tokens": prompt + self.completion}
         if self.details:
             usage["prompt_tokens_details"] = {"cached_tokens": sum(self.cached.values())}
         return usage

@@ -1,20 +1,20 @@
-"""Splitting a reasoning model's output into its reasoning and its answer (``--reasoning-parser``).
+"""Reasoning models' ``<think>`` blocks (``--reasoning-parser``): where the reasoning ends, for the engine,
+and the output split into reasoning and answer, for the chat API.
 
 Models of the Qwen3 and DeepSeek-R1 families think between ``<think>`` and ``</think>`` before they
-answer. The chat API returns the thinking as ``reasoning_content`` and the answer as ``content``. The
-split works on streamed text: a piece that may be the start of a tag is held back until the next piece
-says whether it is one, so a tag cut between two deltas is still found and never reaches the client.
+answer. The chat API returns the thinking as ``reasoning_content`` and the answer as ``content``; a
+grammar (structured output) holds only from the end of the reasoning, as in vLLM. The split works on
+streamed text: a piece that may be the start of a tag is held back until the next piece says whether it
+is one, so a tag cut between two deltas is still found and never reaches the client.
 """
 
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
-# qwen3: the output reasons only if it opens with <think> (or the prompt left one open), since
-# enable_thinking=False renders a closed, empty block into the prompt; deepseek_r1: the output
-# reasons until </think> whether or not it opens with <think> (its template opens one for it).
-# A grammar (structured output, a forced tool choice) holds from the first token, so an output under one
-# is its answer unless it opens with <think> itself.
+# qwen3: the output reasons only if it opens with <think> (or the prompt left one open); deepseek_r1: the
+# output reasons until </think> whether or not it opens with <think> (its template opens one for it)
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+PROMPT_TAIL_TOKENS = 16  # how much of a prompt's end is read for a block the template opened or closed
 
 
 def partial_tail(text: str, tag: str) -> int:
@@ -25,23 +25,39 @@ def partial_tail(text: str, tag: str) -> int:
     return 0
 
 
-def prompt_opens_reasoning(prompt_tail: str) -> bool:
-    """Whether the rendered prompt ends inside a ``<think>`` block (templates that open it for the model)."""
-    return prompt_tail.rfind(START) > prompt_tail.rfind(END)
+def prompt_state(prompt_tail: str) -> str:
+    """How the rendered prompt leaves reasoning: "open" (it ends inside a block the template opened for the
+    model), "closed" (it ends after a closed one: thinking turned off, as Qwen3's enable_thinking=False
+    renders it) or "none"."""
+    start, end = prompt_tail.rfind(START), prompt_tail.rfind(END)
+    return "open" if start > end else "closed" if end >= 0 else "none"
+
+
+class ThinkingEnd:
+    """Watches a request's tokens for the end of its reasoning (its grammar holds from the next token)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.recent = tokenizer, []
+
+    def seen(self, token: int) -> bool:
+        """Whether ``token`` completes ``</think>`` (kept: the last few tokens, which the tag spans at most)."""
+        self.recent = self.recent[1 - len(END):] + [token]
+        return END in self.tokenizer.decode(self.recent)
 
 
 class ReasoningSplitter:
     """One choice's output, fed as it streams: ``feed`` and ``finish`` return (reasoning, content) text."""
 
-    def __init__(self, parser: str, prompt_opened: bool, constrained: bool = False):
+    def __init__(self, parser: str, prompt: str):
+        """``prompt``: ``prompt_state`` of the request's prompt."""
         if parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}")
         self.buf = ""
         # "lead": an opening <think> may still come (then "reasoning", else ``otherwise``);
         # "gap": newlines between </think> and the answer, dropped; "content": the answer, passed through
         self.state = "lead"
-        reasons = parser == "deepseek_r1" or prompt_opened
-        self.otherwise = "reasoning" if reasons and not constrained else "content"
+        reasons = prompt == "open" or (parser == "deepseek_r1" and prompt == "none")
+        self.otherwise = "reasoning" if reasons else "content"
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buf += text
