@@ -278,6 +278,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step (default 8192 on CUDA, 2048 on CPU; max_model_len without chunked prefill).", size=True)
     enable_chunked_prefill: bool = _arg(True, "Split long prompts over steps to fit the token budget.")
     max_mixed_prefill_tokens: int | None = _arg(None, "While requests decode, a step takes at most this many prompt tokens (longer prompts go on in later steps), so a newly admitted prompt adds at most that much to the running streams' inter-token latency; 0: only --max-num-batched-tokens bounds them. Needs chunked prefill. Default: 256 for `serve` (latency first), 0 offline (throughput first).")
+    scheduling_policy: str = _arg("fcfs", "Which waiting request starts first: fcfs (arrival order) or priority (a request's priority field, lower first, then arrival; under memory pressure the least urgent running request is preempted).")
     enable_prefix_caching: bool = _arg(True, "Reuse the KV blocks of a shared prompt prefix across requests.")
     block_size: int = _arg(16, "Tokens per KV-cache block.")
     gpu_memory_utilization: float = _arg(0.9, "Fraction of total GPU memory for this engine: weights, activations and KV cache.")
@@ -310,6 +311,8 @@ class EngineArgs:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"{flag('reasoning_parser')} {self.reasoning_parser}: not one of "
                               f"{', '.join(REASONING_PARSERS)} (leave it out for a model that does not reason).")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"{flag('scheduling_policy')} {self.scheduling_policy}: not one of fcfs, priority.")
         if self.load_format not in _LOAD_FORMATS:
             raise ConfigError(f"{flag('load_format')}: {self.load_format!r} is not one of {', '.join(_LOAD_FORMATS)}.")
         source = resolve_model(self.model, "dummy" if plan_for else self.load_format)

@@ -4,6 +4,8 @@ OpenAI's shape, chat-template options, `bench latency`, and the planner's and di
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -129,6 +131,31 @@ def test_cached_prompt_tokens_and_continuous_usage():
         counts = [c.usage.completion_tokens for c in chunks]
         assert counts == sorted(counts) and counts[-1] == 5 and all(c.usage.prompt_tokens == 100 for c in chunks)
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 96
+
+
+def test_request_priority_as_vllm_schedules_it(server):
+    """--scheduling-policy priority: the most urgent waiting request starts first, offline and over HTTP;
+    under fcfs a priority is refused, naming the flag."""
+    url, client = server
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": 1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    llm = LLM("tiny", kv_cache_memory="16MiB", scheduling_policy="priority", max_num_seqs=1)
+    outs = llm.generate(["a b", "c d", "e f"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False,
+                        priority=[2, 0, 1])
+    starts = [o.metrics.first_scheduled_time for o in outs]
+    assert starts[1] < starts[2] < starts[0]
+    with running_server(*ENGINE, "--scheduling-policy", "priority", "--max-num-seqs", "1") as (url, _):
+        def ask(prompt: str, priority: int, max_tokens: int) -> float:
+            httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "priority": priority})
+            return time.monotonic()
+
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(ask, "one seat", 0, 300)  # holds the only seat while the others queue
+            time.sleep(0.2)
+            later, urgent = pool.submit(ask, "later", 5, 5), pool.submit(ask, "urgent", 1, 5)
+            assert first.result() < urgent.result() < later.result()
 
 
 def test_logprobs_in_openai_shape(server):

@@ -40,10 +40,12 @@ workload = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integer
 @settings(max_examples=80, deadline=None)
 @given(workload=workload, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]),
        max_num_seqs=st.integers(1, 8), budget=st.integers(8, 64), chunked=st.booleans(),
-       caching=st.booleans(), overlap=st.booleans(), mixed=st.sampled_from([0, 3, 16]), seed=st.integers(0, 2**16))
+       caching=st.booleans(), overlap=st.booleans(), mixed=st.sampled_from([0, 3, 16]), seed=st.integers(0, 2**16),
+       policy=st.sampled_from(["fcfs", "priority"]))
 def test_random_workload_invariants(workload, num_blocks, block_size, max_num_seqs, budget, chunked, caching,
-                                    overlap, mixed, seed):
-    """``overlap``: as the engine core runs it, step N+1 is scheduled before step N's tokens are in."""
+                                    overlap, mixed, seed, policy):
+    """``overlap``: as the engine core runs it, step N+1 is scheduled before step N's tokens are in; with
+    the priority policy, requests get random priorities, and every one still finishes."""
     rng = random.Random(seed)
     max_model_len = 90
     # every request must fit alone in the cache, as the engine's start-up check guarantees
@@ -53,11 +55,14 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
         budget = max(budget, max_model_len)
     budget = max(budget, max_num_seqs)
     pool = BlockPool(num_blocks, block_size, -(-max_model_len // block_size), enable_prefix_caching=caching)
-    sched = Scheduler(pool, max_num_seqs, budget, max_model_len, chunked, mixed)
+    sched = Scheduler(pool, max_num_seqs, budget, max_model_len, chunked, mixed, policy)
     # prompts share prefixes (every one starts 0, 1, 2, ...), so the prefix cache is hit and blocks shared;
     # odd requests stop at token 13 (about one sampled token in 20)
     pending = [make_request(str(i), p, o, eos=(13,) if i % 2 else ()) for i, (p, o, _) in enumerate(workload)]
     by_id = {r.request_id: r for r in pending}
+    if policy == "priority":
+        for r in pending:
+            r.priority = rng.randrange(3)
     arrivals = [a for _, _, a in workload]
     aborted: set[str] = set()
     in_flight = None
@@ -78,6 +83,10 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
             victim = rng.choice(list(sched.requests))
             sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
             aborted.add(victim)
+        if policy == "priority":  # both queues in urgency order: the running list's last is preempted first
+            for queue in (list(sched.waiting), sched.running):
+                keys = [(r.priority, r.arrival_time) for r in queue]
+                assert keys == sorted(keys)
         held = mixed and chunked and sched._holds_prompts_down()
         out = sched.schedule()
         assert out.total_tokens <= budget
@@ -172,6 +181,30 @@ def test_preempts_most_recent_and_requeues_at_front():
     assert out.preempted == ["b"]
     assert [s.request.request_id for s in out.scheduled] == ["a"]
     assert sched.waiting[0] is b and b.num_computed_tokens == 0 and b.status == RequestStatus.PREEMPTED
+
+
+def test_priority_policy_serves_the_urgent_first_and_preempts_the_least_urgent():
+    pool = BlockPool(4, 4, 4, enable_prefix_caching=False)  # 16 token slots
+    sched = Scheduler(pool, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=16, enable_chunked_prefill=True,
+                      policy="priority")
+    low, mid, high = make_request("low", 8, 8), make_request("mid", 8, 8), make_request("high", 4, 8)
+    low.priority, mid.priority, high.priority = 5, 1, 0
+    sched.add_request(low)
+    sched.update_from_output(sched.schedule(), [1])  # low runs alone: 2 blocks
+    sched.add_request(mid)
+    sched.add_request(high)  # arrived last, most urgent: admitted before mid
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["low", "high"] and list(sched.waiting) == [mid]
+    assert sched.running == [high, low]  # urgency order
+    sched.update_from_output(out, [1, 1])  # low holds 3 blocks (9 tokens + 1), high 1 (4 + 1): the pool is full
+    out = sched.schedule()  # high needs a second block: low, admitted first but least urgent, makes room
+    assert out.preempted == ["low"] and [s.request.request_id for s in out.scheduled] == ["high"]
+    assert list(sched.waiting) == [mid, low]  # back in the queue by its priority, not at the front
+    fcfs = Scheduler(BlockPool(4, 4, 4, enable_prefix_caching=False), 2, 64, 16, True)
+    for r in (make_request("a", 4, 1), make_request("b", 4, 1)):
+        r.priority = -r.num_prompt_tokens  # ignored under fcfs
+        fcfs.add_request(r)
+    assert [r.request_id for r in fcfs.waiting] == ["a", "b"]
 
 
 def test_waiting_request_without_blocks_stops_admission():

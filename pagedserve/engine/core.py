@@ -111,7 +111,7 @@ class EngineCore:
                               config.args.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill,
-                                   config.max_mixed_prefill_tokens)
+                                   config.max_mixed_prefill_tokens, config.args.scheduling_policy)
         self.counters = EngineCounters()
         self.peaks = EnginePeaks()
         self.last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)

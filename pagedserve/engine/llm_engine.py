@@ -28,10 +28,11 @@ class LLMEngine(EngineBase):
     """Everything in the caller's thread: add requests, then call ``step`` until none is unfinished."""
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[str]:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, priority: int = 0) -> list[str]:
         """Add the prompt's ``params.n`` requests; returns their ids (``request_id`` itself when n is 1).
-        ``output_kind``: what each of their outputs from ``step`` holds."""
-        made = self.inputs.make_requests(request_id, prompt, params)
+        ``output_kind``: what each of their outputs from ``step`` holds; ``priority``: see
+        ``--scheduling-policy``."""
+        made = self.inputs.make_requests(request_id, prompt, params, priority)
         for request, text in made:
             self.outputs.add(request, text, output_kind)
             self.core.add_request(request)

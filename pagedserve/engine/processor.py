@@ -105,15 +105,17 @@ class InputProcessor:
         self.check_text(text, "messages")
         return tok.encode(text, add_special_tokens=False)
 
-    def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[tuple[Request, str | None]]:
+    def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                      priority: int = 0) -> list[tuple[Request, str | None]]:
         """The ``params.n`` requests of one prompt (ids ``request_id`` when n is 1, else ``request_id-j``):
         tokenized and checked once; with prefix caching the children share the prompt's KV blocks."""
         if params.n == 1:
-            return [self.make_request(request_id, prompt, params)]
-        first, text = self.make_request(f"{request_id}-0", prompt, params.child(0))
+            return [self.make_request(request_id, prompt, params, priority=priority)]
+        first, text = self.make_request(f"{request_id}-0", prompt, params.child(0), priority=priority)
         return [(first, text)] + [
             (Request(f"{request_id}-{j}", first.prompt_token_ids, params.child(j), self.eos_token_ids, first.max_tokens,
-                     arrival_time=first.arrival_time, grammar=self._grammar(params, first.prompt_token_ids)), text)
+                     arrival_time=first.arrival_time, grammar=self._grammar(params, first.prompt_token_ids),
+                     priority=priority), text)
             for j in range(1, params.n)]
 
     def _grammar(self, params: SamplingParams, prompt_token_ids: list[int]):
@@ -122,7 +124,10 @@ class InputProcessor:
         return self.grammars.grammar(params.structured_outputs, prompt_token_ids)
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                     arrival_time: float | None = None) -> tuple[Request, str | None]:
+                     arrival_time: float | None = None, priority: int = 0) -> tuple[Request, str | None]:
+        if priority and self.config.args.scheduling_policy != "priority":
+            raise InvalidRequestError("priority", "A request priority needs an engine started with "
+                                                  "--scheduling-policy priority; leave priority out (or 0).")
         if isinstance(prompt, str):
             text, ids = prompt, self.encode(prompt)
         else:
@@ -153,7 +158,7 @@ class InputProcessor:
                                   f"Please reduce the length of the prompt or max_tokens.")
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
         return Request(request_id, ids, params, self.eos_token_ids, max_tokens, grammar=self._grammar(params, ids),
-                       **kwargs), text
+                       priority=priority, **kwargs), text
 
 
 @dataclass

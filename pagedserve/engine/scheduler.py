@@ -7,7 +7,8 @@ bounded amount (a burst of prompts lifts the bound and drains at full speed). Ru
 in admission order (a decode takes 1 token, an unfinished prefill its next chunk); then waiting requests
 FCFS. Prefill and decode share the step. When a running request cannot get a block, the most recently
 admitted running request is preempted: its blocks are freed, it will be recomputed, and it goes back to
-the front of the queue.
+the front of the queue. The "priority" policy keeps both queues ordered by (priority, arrival) instead:
+the most urgent requests are served first, and the least urgent running request is the one preempted.
 
 The engine schedules step N+1 while step N runs (so the host's work hides behind the device's): a
 request's token from step N is then pending. It is scheduled as the next decode input all the same
@@ -18,6 +19,7 @@ token before) are dropped.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from itertools import islice
@@ -71,8 +73,10 @@ class Scheduler:
     BOUND_STEPS = 8  # a prompt backlog the mixed-step bound clears within this many steps keeps the bound
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool, max_mixed_prefill_tokens: int = 0):
+                 max_model_len: int, enable_chunked_prefill: bool, max_mixed_prefill_tokens: int = 0,
+                 policy: str = "fcfs"):
         self.pool = pool
+        self.by_priority = policy == "priority"
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_mixed_prefill_tokens = max_mixed_prefill_tokens  # 0: the token budget alone
@@ -91,7 +95,15 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            self._insort(self.waiting, request)
+        else:
+            self.waiting.append(request)
+
+    @staticmethod
+    def _insort(queue, req: Request) -> None:
+        """Put ``req`` after every request as urgent as it or more (lower priority value, earlier arrival)."""
+        bisect.insort(queue, req, key=lambda r: (r.priority, r.arrival_time))
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests wherever they are; their blocks go back to the pool."""
@@ -173,7 +185,10 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time, req.num_cached_tokens = now, num_cached
-                self.running.append(req)
+                if self.by_priority:  # the running list stays in urgency order: its last is the one to preempt
+                    self._insort(self.running, req)
+                else:
+                    self.running.append(req)
                 self._schedule(req, n, out)
                 budget -= n
                 prompt_budget -= n
@@ -220,7 +235,10 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._insort(self.waiting, req)
+        else:
+            self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[int, Request]]:

@@ -42,14 +42,18 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. A prompt is a string, a list of
-        token ids, or ``{"prompt_token_ids": [...]}``."""
+        token ids, or ``{"prompt_token_ids": [...]}``. ``priority``: one per prompt, lower first (with
+        ``scheduling_policy="priority"``)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                   and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._per_prompt(sampling_params, len(prompts))
-        return self._run([p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts], params, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts.")
+        return self._run([p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts], params, use_tqdm,
+                         priority)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -80,16 +84,18 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts.")
         return list(sampling_params)
 
-    def _run(self, prompts, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts, params: list[SamplingParams], use_tqdm: bool,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         groups: list[list[str]] = []  # each prompt's request ids: n of them with parallel sampling
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, out_tokens = time.perf_counter(), 0
         try:
-            for prompt, sp in zip(prompts, params):
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 # only finished outputs are used: no per-step copies of each request's tokens
                 groups.append(self.engine.add_request(str(next(self._ids)), prompt, dataclasses.replace(sp),
-                                                      RequestOutputKind.FINAL_ONLY))
+                                                      RequestOutputKind.FINAL_ONLY,
+                                                      0 if priority is None else priority[i]))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:

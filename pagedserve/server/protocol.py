@@ -59,6 +59,7 @@ class _SamplingFields(_Body):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    priority: StrictInt = Field(default=0, ge=INT64[0], le=INT64[1])  # --scheduling-policy priority: lower first
 
     def model_post_init(self, _) -> None:
         if self.model_extra:

@@ -112,14 +112,14 @@ class ServerState:
                            "NotFoundError", "model")
         return name or self.served[0]
 
-    async def start(self, base_id: str, prompts: list, params) -> list[AsyncIterator[RequestOutput]]:
+    async def start(self, base_id: str, prompts: list, params, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt and admit the call as a whole before starting any of its requests; the
         streams come in output order (prompt i's j-th sample is output i * n + j). Tokenizing runs in a
         worker thread, so a long prompt never holds up the event loop."""
         self.admission.check_room(len(prompts) * params.n)  # a full server refuses before tokenizing anything
         inputs = self.engine.inputs
         made = await asyncio.to_thread(lambda: [r for i, p in enumerate(prompts)
-                                                for r in inputs.make_requests(f"{base_id}-{i}", p, params)])
+                                                for r in inputs.make_requests(f"{base_id}-{i}", p, params, priority)])
         lens = [req.num_prompt_tokens for req, _ in made]
         if self.degradation is not None:
             self.degradation.window.arrived(lens)

@@ -31,7 +31,7 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     if body.echo and tokenizer is None:
         raise InvalidRequestError("echo", "echo returns the prompt as text, and this model runs without a tokenizer.")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await state.start(rid, body.prompts(), params)
+    streams = await state.start(rid, body.prompts(), params, body.priority)
     if body.echo_only:
         streams = [_prompt_only(s) for s in streams]
     offsets = [0] * len(streams)  # where each choice's next text starts (logprobs' text_offset)
@@ -74,7 +74,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
     state.admission.check_room(params.n)
     prompt = await asyncio.to_thread(state.engine.inputs.apply_chat_template, messages, **template_args)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await state.start(rid, [prompt], params)
+    streams = await state.start(rid, [prompt], params, body.priority)
     want_lp = params.logprobs is not None
     reasoning_parser = state.engine.config.args.reasoning_parser
     if reasoning_parser is not None:
