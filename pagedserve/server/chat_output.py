@@ -1,7 +1,8 @@
 """One chat choice's text, as the chat API returns it: reasoning, content and tool calls.
 
 The same parser serves streamed and whole answers: a stream feeds it each delta, a whole answer its full
-text once, and both end with ``finish``; the whole answer is the join of what the deltas would have been.
+text at once; the last piece (``last=True``) flushes what was held back, so the whole answer is the join
+of what the deltas would have been.
 """
 
 from __future__ import annotations
