@@ -44,6 +44,9 @@ def test_completion_chat_and_streaming_with_the_openai_sdk(client):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+    # the role comes with the first token, not ahead of it (a client's TTFT would be the server's overhead)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content
+    assert all(ch.choices[0].delta.role is None for ch in chunks[1:] if ch.choices)
 
 
 def test_prompt_forms_and_multiple_prompts(server, client):
