@@ -230,3 +230,41 @@ def test_a_preset_or_a_size_gives_the_simulated_gpu_its_memory():
     assert h100.engine("Qwen/Qwen3-8B", flags)[1].num_blocks < h200.engine("Qwen/Qwen3-8B", flags)[1].num_blocks
     with pytest.raises(ConfigError, match="would not start"):
         Simulation.load("h200-qwen3-8b-bf16", gpu_memory_gib=16).engine("Qwen/Qwen3-8B", flags)
+
+
+def test_another_gpu_scales_what_computes_by_compute_and_the_rest_by_bandwidth():
+    cost = CostModel(breakpoint=100, per_token=2e-5, per_context=4e-8, per_prefill_work=1e-9, fixed=1e-3,
+                     eager_floor=4e-3, mixed_floor=5e-3, single=3e-3, per_prefill_key=1e-6, host_fixed=2e-4,
+                     host_per_seq=1e-5, request_latency=1e-3)
+    slower = cost.on_faster_gpu(compute=0.5, bandwidth=0.25)
+    # below the breakpoint a step reads the weights (2 ms here): 4x; above it, the tokens compute: 2x
+    assert slower.breakpoint * slower.per_token == pytest.approx(4 * 100 * 2e-5)
+    assert slower.device_seconds(1000, 0, 0, 0) == pytest.approx(4 * 1e-3 + 2 * 1000 * 2e-5)
+    assert slower.device_seconds(1, 10_000, 0, 0) == pytest.approx(4 * (1e-3 + 2e-3 + 10_000 * 4e-8))
+    assert slower.device_seconds(0, 0, 1000, 50) - slower.device_seconds(0, 0, 0, 0) == \
+        pytest.approx(2 * 1000 * 1e-9 + 4 * 50 * 1e-6)
+    assert slower.seconds(1, 0, 0, 0, "single") == pytest.approx(4 * 3e-3)
+    kept = ("eager_floor", "mixed_floor", "host_fixed", "host_per_seq", "request_latency")  # the host's
+    assert all(getattr(slower, k) == getattr(cost, k) for k in kept)
+
+
+def test_a_preset_of_another_gpu_estimates_its_speed_from_the_peaks(tmp_path):
+    from pagedserve.sim.ladder import Simulation
+
+    h200 = Simulation.load("h200-qwen3-8b-bf16")
+    assert Simulation.load("h200-qwen3-8b-bf16", gpu="H200-141GB").calibration.cost == h200.calibration.cost
+    h100 = Simulation.load("h200-qwen3-8b-bf16", gpu="H100-80GB")
+    a, b = h200.calibration.cost, h100.calibration.cost
+    assert b.per_context == pytest.approx(a.per_context * 4.8 / 3.35) and b.per_token == pytest.approx(a.per_token)
+    assert h100.gpu == "H100-80GB (estimated)" and "memory bandwidth x0.70" in h100.describe()
+    flags = ["--load-format", "dummy", "--max-model-len", "4096"]
+    runs = {}
+    for sim in (h200, h100):
+        config, budget = sim.engine("Qwen/Qwen3-8B", flags)
+        samples = [SampleRequest(list(range(3, 515)), 512, 64) for _ in range(16)]
+        runs[sim.gpu] = simulate_load(config, budget, sim.calibration.cost, samples, max_concurrency=8)
+    assert runs["H100-80GB (estimated)"]["output_throughput"] < runs["NVIDIA H200"]["output_throughput"]
+    with pytest.raises(ConfigError, match="Ada or Hopper"):
+        Simulation.load("h200-qwen3-8b-fp8", gpu="A100-80GB")
+    with pytest.raises(ConfigError, match="does not know"):  # measured on a GPU without known peaks
+        Simulation.load(tiny_calibration(tmp_path), gpu="H100-80GB")

@@ -223,7 +223,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="Run the ladder on the engine's own scheduler with steps priced by a calibration (a file "
                         "from `pagedserve calibrate`, or a shipped one: " + ", ".join(sorted(shipped())) + ").")
     g.add_argument("--gpu", choices=list(GPU_PRESETS), default=None,
-                   help="Give the simulated GPU this preset's memory (its speed stays the calibration's).")
+                   help="Simulate this GPU: its memory, and the calibration's step times scaled by the ratios of "
+                        "its spec-sheet compute and bandwidth peaks to the calibration GPU's (an estimate).")
     g.add_argument("--gpu-memory", type=float, default=None,
                    help="GiB of the simulated GPU (overrides --gpu; default: the calibration GPU's).")
 

@@ -84,6 +84,20 @@ class CostModel:
     host_per_seq: float = 0.0     # ... and a request in the step: a step takes at least this host time
     request_latency: float = 0.0  # from a client sending a request to the engine taking it in (HTTP, tokenizing)
 
+    def on_faster_gpu(self, compute: float, bandwidth: float) -> "CostModel":
+        """This model on a GPU ``compute`` times as fast at 16-bit tensor math and ``bandwidth`` times as
+        fast at reading memory (ratios below 1: slower). What computes (tokens above T*, prefill
+        attention) scales with the compute; the rest of the device's work with the bandwidth: the weights'
+        read below T*, the decodes' context, a prompt chunk's walk over its keys, one sequence's decode,
+        and the fixed part (small kernels, whose time is memory traffic; the fit also puts part of the
+        weights' read there). The launch floors and the server's terms belong to the host and are kept.
+        First order: the fractions of the peaks that kernels reach differ between GPUs."""
+        return dataclasses.replace(
+            self, breakpoint=self.breakpoint * compute / bandwidth, per_token=self.per_token / compute,
+            per_context=self.per_context / bandwidth, per_prefill_work=self.per_prefill_work / compute,
+            per_prefill_key=self.per_prefill_key / bandwidth, single=self.single / bandwidth,
+            fixed=self.fixed / bandwidth)
+
     def host_seconds(self, seqs: int) -> float:
         return self.host_fixed + self.host_per_seq * seqs
 

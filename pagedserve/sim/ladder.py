@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -18,25 +19,44 @@ from pagedserve.sim.load import simulate_load
 
 @dataclasses.dataclass
 class Simulation:
-    calibration: Calibration
+    calibration: Calibration  # its cost model scaled to the simulated GPU when that is another one
     gpu_memory_bytes: int  # the simulated GPU's memory (default: the calibration GPU's)
     source: str            # the file or shipped name it came from
+    gpu: str = ""          # the simulated GPU, as shown to the operator
+    scaled: str = ""       # how the step costs were carried over to another GPU ("" when measured on it)
 
     @classmethod
     def load(cls, name_or_path: str, gpu_memory_gib: float | None = None, gpu: str | None = None) -> "Simulation":
-        """A calibration, on a GPU of ``gpu_memory_gib`` GiB, else of preset ``gpu``'s memory, else its own."""
-        from pagedserve.tune.plan import GPU_PRESETS
+        """A calibration, on a GPU of ``gpu_memory_gib`` GiB, else of preset ``gpu``'s memory, else its own.
+        A preset of another GPU than the calibration's also scales its step costs by their peaks' ratios."""
+        from pagedserve.tune.plan import FP8_KV_GPUS, GPU_PEAKS, GPU_PRESETS
 
         cal = load_calibration(name_or_path)
         total = int(gpu_memory_gib * GiB) if gpu_memory_gib else GPU_PRESETS[gpu] if gpu else cal.gpu_memory_bytes
         if total <= 0:
             raise ConfigError(f"--simulate {name_or_path}: the calibration records no GPU memory (it was measured on "
                               f"{cal.gpu}); give --gpu-memory GiB.")
-        return cls(cal, total, name_or_path)
+        measured_on = preset_of(cal.gpu, cal.gpu_memory_bytes)
+        if gpu is None or gpu == measured_on:
+            return cls(cal, total, name_or_path, cal.gpu)
+        if measured_on is None:
+            raise ConfigError(f"--gpu {gpu}: {name_or_path} was measured on {cal.gpu}, whose peaks this simulator "
+                              f"does not know, so its step times cannot be carried over. Give --gpu-memory GiB "
+                              f"to change the memory alone, or run `pagedserve calibrate` on the {gpu}.")
+        if cal.kv_cache_dtype.startswith("float8") and gpu not in FP8_KV_GPUS:
+            raise ConfigError(f"--gpu {gpu}: the fp8 KV cache needs an Ada or Hopper GPU; simulate a 16-bit cache "
+                              f"calibration on it instead.")
+        (flops, bytes_s), (flops0, bytes_s0) = GPU_PEAKS[gpu], GPU_PEAKS[measured_on]
+        compute, bandwidth = flops / flops0, bytes_s / bytes_s0
+        cost = cal.cost.on_faster_gpu(compute, bandwidth)
+        scaled = (f"step times scaled from the {measured_on} to the {gpu} by spec-sheet peaks (compute "
+                  f"x{compute:.2f}, memory bandwidth x{bandwidth:.2f}): an estimate, as the fractions of the peaks "
+                  f"each GPU reaches differ; `pagedserve calibrate` on the {gpu} measures them")
+        return cls(dataclasses.replace(cal, cost=cost), total, name_or_path, f"{gpu} (estimated)", scaled)
 
     def describe(self) -> str:
         return (f"simulated from {self.source}: {self.calibration.describe()}; GPU memory "
-                f"{self.gpu_memory_bytes / GiB:.2f} GiB")
+                f"{self.gpu_memory_bytes / GiB:.2f} GiB{f'; {self.scaled}' if self.scaled else ''}")
 
     def engine(self, model: str, flags: list[str]):
         """(config, memory budget) of ``pagedserve serve MODEL FLAGS`` on the simulated GPU, as the planner
@@ -86,6 +106,15 @@ class Simulation:
             return rung
 
         return measure
+
+
+def preset_of(gpu_name: str, memory_bytes: int) -> str | None:
+    """The GPU preset a device name (as torch reports it, e.g. "NVIDIA H200") is, the nearest in memory
+    among those of its name; None when none matches."""
+    from pagedserve.tune.plan import GPU_PRESETS
+
+    names = [p for p in GPU_PRESETS if re.sub(r"-\d+GB$", "", p).replace("-", " ") in gpu_name]
+    return min(names, key=lambda p: abs(GPU_PRESETS[p] - memory_bytes), default=None)
 
 
 def as_token_ids(s: SampleRequest, vocab: int, seed: int) -> SampleRequest:

@@ -80,7 +80,7 @@ def cmd_tune(ns: argparse.Namespace) -> None:
 
         simulate = Simulation.load(ns.simulate, ns.gpu_memory, ns.gpu)
         simulate.engine(args.model, flags)
-        gpu = (simulate.gpu_memory_bytes, f"{simulate.calibration.gpu} (simulated)")
+        gpu = (simulate.gpu_memory_bytes, f"{simulate.gpu} (simulated)")
     elif ns.gpu_memory is not None or ns.gpu is not None:
         raise ConfigError("--gpu and --gpu-memory size a simulated GPU: give them with --simulate.")
     else:

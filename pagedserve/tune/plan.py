@@ -27,6 +27,17 @@ GPU_PRESETS: dict[str, int] = {
     "L40S": 46068 * MiB,
     "RTX-4090": 24564 * MiB,
 }
+# Spec-sheet peaks of each preset: dense 16-bit tensor FLOP/s (FP32 accumulate) and memory bandwidth in
+# bytes/s. The simulator scales a calibration's step costs by their ratios to estimate another GPU.
+GPU_PEAKS: dict[str, tuple[float, float]] = {
+    "H200-141GB": (989e12, 4.8e12),
+    "H100-80GB": (989e12, 3.35e12),
+    "A100-80GB": (312e12, 2.039e12),
+    "A100-40GB": (312e12, 1.555e12),
+    "L40S": (362e12, 0.864e12),
+    "RTX-4090": (165e12, 1.008e12),
+}
+FP8_KV_GPUS = ("H200-141GB", "H100-80GB", "L40S", "RTX-4090")  # the fp8 kernels need Ada or Hopper
 NON_TORCH_ESTIMATE = 256 * MiB       # cuBLAS/Triton workspaces, with room above what an H200 run logged
 NCCL_ESTIMATE = 512 * MiB            # communication buffers per rank when tensor parallel
 GRAPH_ESTIMATE_PER_SIZE = 32 * MiB   # per captured graph size, above what Qwen3-8B's graphs took
