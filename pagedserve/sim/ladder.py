@@ -52,7 +52,8 @@ class Simulation:
         scaled = (f"step times scaled from the {measured_on} to the {gpu} by spec-sheet peaks (compute "
                   f"x{compute:.2f}, memory bandwidth x{bandwidth:.2f}): an estimate, as the fractions of the peaks "
                   f"each GPU reaches differ; `pagedserve calibrate` on the {gpu} measures them")
-        return cls(dataclasses.replace(cal, cost=cost), total, name_or_path, f"{gpu} (estimated)", scaled)
+        estimated = dataclasses.replace(cal, cost=cost, gpu=f"{gpu} (estimated from {cal.gpu})")
+        return cls(estimated, total, name_or_path, f"{gpu} (estimated)", scaled)
 
     def describe(self) -> str:
         return (f"simulated from {self.source}: {self.calibration.describe()}; GPU memory "
