@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import openai
 import pytest
 
-from pagedserve.bench.datasets import NO_TOKENIZER_VOCAB, custom_dataset, random_dataset, sharegpt_dataset
+from pagedserve.bench.datasets import (NO_TOKENIZER_VOCAB, custom_dataset, describe_recorded_lengths,
+                                       lengths_dataset, random_dataset, read_recorded_lengths, sharegpt_dataset)
 from pagedserve.bench.metrics import RequestResult, calculate_metrics, parse_goodput, scrape_values
 from pagedserve.bench.serve import SCRAPED, arrival_delays
 from pagedserve.cli import main
@@ -100,6 +102,52 @@ def test_sharegpt_and_custom_files(tmp_path):
     (tmp_path / "bad.jsonl").write_text("not json\n")
     with pytest.raises(ConfigError, match="bad.jsonl:1"):
         custom_dataset(str(tmp_path / "bad.jsonl"), 1)
+
+
+def test_recorded_lengths_keep_each_request_s_pair_and_say_what_traffic_they_hold(tmp_path):
+    rng = np.random.default_rng(0)
+    arrivals = np.cumsum(rng.exponential(0.5, size=2000))  # Poisson arrivals at 2 req/s: burstiness 1
+    rec = tmp_path / "lengths.jsonl"
+    rec.write_text("".join(json.dumps({"arrival": float(t), "prompt_tokens": 10 + i % 7, "output_tokens": 3 + i % 5,
+                                       "finish_reason": "stop"}) + "\n" for i, t in enumerate(arrivals))
+                   + json.dumps({"arrival": 0.0, "prompt_tokens": 9, "output_tokens": 0}) + "\n")  # no output: left out
+    pairs = {(10 + i % 7, 3 + i % 5) for i in range(2000)}
+    samples = lengths_dataset(str(rec), 3000, seed=1)  # more than were recorded: drawn with repeats
+    assert len(samples) == 3000 and {(s.prompt_len, s.expected_output_len) for s in samples} <= pairs
+    assert all(len(s.prompt) == s.prompt_len and max(s.prompt) < NO_TOKENIZER_VOCAB for s in samples)
+    text = describe_recorded_lengths(read_recorded_lengths(str(rec)))
+    rate = float(text.split(": ")[1].split(" req/s")[0])
+    burstiness = float(text.split("burstiness ")[1].split(" ")[0])
+    assert text.startswith("2,000 recorded requests") and 1.8 < rate < 2.2 and 0.8 < burstiness < 1.25
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt_tokens": 5, "output_tokens": 2}) + "\n{\"prompt\": \"hi\"}\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: expected a line of `serve --record-lengths`"):
+        lengths_dataset(str(bad), 4)
+
+
+def test_a_server_records_its_traffic_and_bench_replays_its_shape(tmp_path, capsys):
+    rec = tmp_path / "traffic.jsonl"
+    flags = ("--kv-cache-memory", "16MiB", "--max-model-len", "512", "--record-lengths", str(rec))
+    with running_server(*flags) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        made = [client.completions.create(model="tiny", prompt=list(range(5, 5 + n)), max_tokens=m,
+                                          extra_body={"ignore_eos": True}).usage
+                for n, m in ((12, 3), (40, 7), (25, 5))]
+        made.append(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=4).usage)
+        lines = [json.loads(line) for line in rec.read_text().splitlines()]
+        assert [(r["prompt_tokens"], r["output_tokens"]) for r in lines] == \
+            [(u.prompt_tokens, u.completion_tokens) for u in made]
+        main(["bench", "serve", "--base-url", url, "--dataset-name", "lengths", "--dataset-path", str(rec),
+              "--num-prompts", "8", "--disable-tqdm", "--num-warmups", "0", "--result-dir", str(tmp_path),
+              "--result-filename", "replay.json"])
+    result = json.loads((tmp_path / "replay.json").read_text())
+    outputs = {r["output_tokens"] for r in lines}
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert min(outputs) * 8 <= result["total_output_tokens"] <= max(outputs) * 8  # each ran its recorded length
+    with pytest.raises(SystemExit):  # an unwritable recording fails the start, naming the flag
+        main(["serve", "tiny", "--record-lengths", str(tmp_path / "no" / "such" / "dir.jsonl")])
+    assert "--record-lengths" in capsys.readouterr().err
 
 
 def test_parse_metrics_reads_vllm_names():

@@ -15,8 +15,11 @@ def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: boo
     """Dataset flags; ``client``: also --seed and --tokenizer (bench throughput has the engine's);
     ``num_prompts``: False where the command sizes each run itself (bench sweep)."""
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", choices=["random", "sharegpt", "custom"], default="random")
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON or custom JSONL ({\"prompt\", \"output_len\"}).")
+    d.add_argument("--dataset-name", choices=["random", "sharegpt", "custom", "lengths"], default="random",
+                   help="lengths: random prompts with the prompt and output lengths of the requests a server "
+                        "recorded (`serve --record-lengths FILE`), to load-test with production's shape.")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON, custom JSONL ({\"prompt\", \"output_len\"}), "
+                                                        "or a --record-lengths file.")
     if num_prompts:
         d.add_argument("--num-prompts", type=int, default=1000)
     d.add_argument("--random-input-len", type=int, default=1024)
@@ -44,7 +47,7 @@ def _save(ns, result: dict, default_name: str) -> None:
 
 
 def cmd_bench_serve(ns: argparse.Namespace) -> None:
-    from pagedserve.bench.datasets import client_tokenizer, load_dataset
+    from pagedserve.bench.datasets import LENGTH_DATASETS, announce_dataset, client_tokenizer, load_dataset
     from pagedserve.bench.metrics import METRIC_KEYS, parse_goodput
     from pagedserve.bench.serve import BenchConfig, format_table, run_benchmark, served_model
 
@@ -65,13 +68,14 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--metric-percentiles/--goodput: {e}") from e
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ConfigError("--metric-percentiles must be in [0, 100].")
+    announce_dataset(ns)
     base = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
     model = ns.model or served_model(base, ns.api_key)
     ns.model = model
     samples = load_dataset(ns, client_tokenizer(ns.tokenizer, ns.model))
     cfg = BenchConfig(base_url=base, endpoint=ns.endpoint, model=model, request_rate=ns.request_rate,
                       burstiness=ns.burstiness, max_concurrency=ns.max_concurrency,
-                      ignore_eos=ns.ignore_eos or ns.dataset_name == "random", seed=ns.seed,
+                      ignore_eos=ns.ignore_eos or ns.dataset_name in LENGTH_DATASETS, seed=ns.seed,
                       num_warmups=ns.num_warmups, api_key=ns.api_key, show_progress=not ns.disable_tqdm)
     result = asyncio.run(run_benchmark(cfg, samples, percentiles, pct_metrics, goodput))
     print(format_table(result, pct_metrics, percentiles))
@@ -124,10 +128,11 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> None:
     import dataclasses
 
     from pagedserve import LLM
-    from pagedserve.bench.datasets import load_dataset
+    from pagedserve.bench.datasets import announce_dataset, load_dataset
     from pagedserve.bench.throughput import run_throughput
     from pagedserve.args import engine_args_from
 
+    announce_dataset(ns)
     args = engine_args_from(ns)
     llm = LLM(**dataclasses.asdict(args))
     samples = load_dataset(ns, llm.get_tokenizer())

@@ -1,4 +1,5 @@
-"""Benchmark workloads: random, ShareGPT-format JSON, and custom JSONL (vLLM bench's datasets)."""
+"""Benchmark workloads: random, ShareGPT-format JSON, and custom JSONL (vLLM bench's datasets), and the
+lengths a server recorded (``serve --record-lengths``): production's shape of traffic, without its text."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pagedserve.errors import ConfigError
 # Without a tokenizer the client cannot know the vocabulary: ids below this bound exist in every model
 # (byte-level vocabularies start with the 256 bytes).
 NO_TOKENIZER_VOCAB = 256
+# datasets whose outputs are lengths to reproduce, not answers: their requests run with ignore_eos
+LENGTH_DATASETS = ("random", "lengths")
 
 
 @dataclass
@@ -55,15 +58,26 @@ def random_dataset(num_prompts: int, input_len: int, output_len: int, range_rati
     if input_len < 1 or output_len < 1 or prefix_len < 0:
         raise ConfigError("--random-input-len and --random-output-len must be >= 1, --random-prefix-len >= 0.")
     rng = np.random.default_rng(seed)
-    if tokenizer is not None:
-        special = set(tokenizer.all_special_ids)
-        allowed = np.array([i for i in range(len(tokenizer)) if i not in special])
-    else:
-        allowed = np.arange(NO_TOKENIZER_VOCAB)
+    allowed = _allowed_ids(tokenizer)
     prefix = allowed[rng.integers(0, len(allowed), size=prefix_len)].tolist()
     in_lens = _lengths(rng, input_len, range_ratio, num_prompts, 1)
     out_lens = _lengths(rng, output_len, range_ratio, num_prompts, 1)
-    offsets = rng.integers(0, len(allowed), size=num_prompts)
+    return _random_prompts(rng, allowed, prefix, in_lens, out_lens, tokenizer)
+
+
+def _allowed_ids(tokenizer) -> np.ndarray:
+    """The token ids random prompts are made of: every non-special one, or the first 256 without a tokenizer."""
+    if tokenizer is None:
+        return np.arange(NO_TOKENIZER_VOCAB)
+    special = set(tokenizer.all_special_ids)
+    return np.array([i for i in range(len(tokenizer)) if i not in special])
+
+
+def _random_prompts(rng: np.random.Generator, allowed: np.ndarray, prefix: list[int], in_lens, out_lens,
+                    tokenizer) -> list[SampleRequest]:
+    """Prompts of random tokens of the given lengths. With a tokenizer they are decoded to text (and
+    re-encoded to keep the length exact where the tokenizer allows); without one they are token ids."""
+    offsets = rng.integers(0, len(allowed), size=len(in_lens))
     samples = []
     for n, out, off in zip(in_lens, out_lens, offsets):
         ids = prefix + allowed[(off + np.arange(n)) % len(allowed)].tolist()
@@ -75,6 +89,57 @@ def random_dataset(num_prompts: int, input_len: int, output_len: int, range_rati
         text = tokenizer.decode(re_ids)
         samples.append(SampleRequest(text, len(re_ids), int(out)))
     return samples
+
+
+def lengths_dataset(path: str, num_prompts: int, seed: int = 0, tokenizer=None) -> list[SampleRequest]:
+    """Prompts of random tokens with the (prompt, output) lengths of requests a server recorded
+    (``--record-lengths``), drawn at random from them (with repeats when asked for more than were
+    recorded), so each keeps its own pair."""
+    pairs = [(r["prompt_tokens"], r["output_tokens"]) for r in read_recorded_lengths(path)]
+    rng = np.random.default_rng(seed)
+    picked = rng.choice(len(pairs), size=num_prompts, replace=num_prompts > len(pairs))
+    in_lens, out_lens = zip(*(pairs[i] for i in picked)) if num_prompts else ((), ())
+    return _random_prompts(rng, _allowed_ids(tokenizer), [], in_lens, out_lens, tokenizer)
+
+
+def read_recorded_lengths(path: str) -> list[dict]:
+    """The requests of a ``--record-lengths`` file that produced output: {"arrival", "prompt_tokens",
+    "output_tokens", ...} each."""
+    rows = []
+    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            ok = all(isinstance(row[k], int) and row[k] >= 0 for k in ("prompt_tokens", "output_tokens"))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            ok, row = False, str(e)
+        if not ok:
+            raise ConfigError(f"--dataset-path {path}:{lineno}: expected a line of `serve --record-lengths` "
+                              f"({{\"prompt_tokens\": N, \"output_tokens\": M, ...}}), got {line[:120]!r}.")
+        if row["prompt_tokens"] >= 1 and row["output_tokens"] >= 1:
+            rows.append(row)
+    if not rows:
+        raise ConfigError(f"--dataset-path {path}: no recorded request with a prompt and an output.")
+    return rows
+
+
+def describe_recorded_lengths(rows: list[dict]) -> str:
+    """What a recording says about the traffic: its rate and burstiness (the gamma shape of the gaps
+    between arrivals, as --burstiness takes it: 1 / their squared coefficient of variation) and its
+    length percentiles."""
+    prompt = np.array([r["prompt_tokens"] for r in rows])
+    output = np.array([r["output_tokens"] for r in rows])
+    arrivals = np.sort([r["arrival"] for r in rows if isinstance(r.get("arrival"), (int, float))])
+    lengths = (f"prompt tokens p50 {np.percentile(prompt, 50):,.0f} / p95 {np.percentile(prompt, 95):,.0f}, "
+               f"output tokens p50 {np.percentile(output, 50):,.0f} / p95 {np.percentile(output, 95):,.0f}")
+    gaps = np.diff(arrivals)
+    if len(gaps) < 2 or gaps.sum() <= 0 or gaps.mean() <= 0:
+        return f"{len(rows):,} recorded requests: {lengths}"
+    rate, cv = len(gaps) / gaps.sum(), gaps.std() / gaps.mean()
+    burst = f", burstiness {1 / cv**2:.2f}" if cv > 0 else ""
+    return (f"{len(rows):,} recorded requests over {gaps.sum():,.0f} s: {rate:.2f} req/s{burst} "
+            f"(--request-rate and --burstiness replay that arrival process); {lengths}")
 
 
 def sharegpt_dataset(path: str, num_prompts: int, tokenizer=None, output_len: int | None = None,
@@ -142,6 +207,12 @@ def _read_json(path: str):
         raise ConfigError(f"--dataset-path {path}: not valid JSON ({e}).") from e
 
 
+def announce_dataset(ns) -> None:
+    """Read a recording up front (a bad file fails before any server starts) and say what traffic it holds."""
+    if ns.dataset_name == "lengths" and ns.dataset_path is not None:
+        print(f"Dataset: {describe_recorded_lengths(read_recorded_lengths(ns.dataset_path))}")
+
+
 def load_dataset(ns, tokenizer) -> list[SampleRequest]:
     """The dataset the flags ask for (shared by bench serve and bench throughput)."""
     name = ns.dataset_name
@@ -152,4 +223,6 @@ def load_dataset(ns, tokenizer) -> list[SampleRequest]:
         raise ConfigError(f"--dataset-name {name} needs --dataset-path.")
     if name == "sharegpt":
         return sharegpt_dataset(ns.dataset_path, ns.num_prompts, tokenizer, ns.sharegpt_output_len, ns.seed)
+    if name == "lengths":
+        return lengths_dataset(ns.dataset_path, ns.num_prompts, ns.seed, tokenizer)
     return custom_dataset(ns.dataset_path, ns.num_prompts, tokenizer, ns.custom_output_len)

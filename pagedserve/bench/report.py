@@ -76,6 +76,8 @@ def _workload(doc: dict) -> str:
         spread = f" (±{100 * d['random_range_ratio']:.0f} %)" if d["random_range_ratio"] else ""
         prefix = f", a shared prefix of {d['random_prefix_len']}" if d["random_prefix_len"] else ""
         return (f"random prompts of {d['random_input_len']} tokens in, {d['random_output_len']} out{spread}{prefix}")
+    if d["dataset_name"] == "lengths":
+        return f"random prompts with the recorded lengths of {d['dataset_path']}"
     return f"{d['dataset_name']} prompts from {d['dataset_path']}"
 
 

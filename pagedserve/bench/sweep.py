@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 
 import pagedserve
-from pagedserve.bench.datasets import SampleRequest
+from pagedserve.bench.datasets import LENGTH_DATASETS, SampleRequest
 from pagedserve.bench.knee import KneeSettings, find_knee, parse_slo, tightest_slo
 from pagedserve.bench.metrics import METRIC_KEYS
 from pagedserve.bench.serve import BenchConfig, run_benchmark
@@ -316,15 +316,16 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
     server started for it, or, with ``simulate`` (a ``sim.ladder.Simulation``), against the engine's own
     scheduler on that calibration's cost model. sweep.json is rewritten after every rung and every artefact
     after every ladder, so a sweep cut short keeps what it measured. Returns sweep.json's document."""
-    from pagedserve.bench.datasets import client_tokenizer
+    from pagedserve.bench.datasets import announce_dataset, client_tokenizer
     from pagedserve.bench.launch import LocalServer
     from pagedserve.bench.report import write_artefacts
 
+    announce_dataset(ns)
     target_doc = ({"base_url": base_url} if base_url else
                   {"command": ["pagedserve", "serve", ns.model, *serve_flags]})
     if simulate is not None:
         target_doc["simulated"] = simulate.describe()
-    ids_only = simulate is not None and ns.dataset_name == "random"  # the simulator needs lengths, not text
+    ids_only = simulate is not None and ns.dataset_name in LENGTH_DATASETS  # the simulator needs lengths, not text
     draw = samples_factory(ns, None if ids_only else client_tokenizer(ns.tokenizer, ns.model))
     goodput = goodput_of(plan.knee.slo)
     ladders: list[dict] = []
@@ -335,7 +336,7 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
                               grid={"param": grid[0], "values": grid[1]} if grid else None, ladders=ladders)
 
     def over_http(url: str) -> Callable[[int, float], dict]:
-        target = Target(url, ns.model, ns.endpoint, ns.api_key, ns.ignore_eos or ns.dataset_name == "random",
+        target = Target(url, ns.model, ns.endpoint, ns.api_key, ns.ignore_eos or ns.dataset_name in LENGTH_DATASETS,
                         ns.burstiness, ns.seed, goodput, show_progress=not ns.disable_tqdm)
         return lambda i, load: asyncio.run(run_rung(target, plan, i, load, draw))
 

@@ -131,6 +131,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         for task in tasks:
             task.cancel()
         await engine.stop()
+        if state.metrics.recorder is not None:
+            state.metrics.recorder.close()
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = state

@@ -96,6 +96,10 @@ def add_serve_parser(sub) -> None:
                    help="Leave the tools out of the prompt when a request's tool_choice is \"none\".")
     s.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="Add usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache gave.")
+    s.add_argument("--record-lengths", default=None, metavar="FILE",
+                   help="Append a JSON line for each finished request (arrival time, prompt and output tokens; "
+                        "no text): the traffic's shape, which `pagedserve bench ... --dataset-name lengths "
+                        "--dataset-path FILE` replays.")
     s.add_argument("--config", default=None, help="A YAML file of flags (names with - or _), as vLLM's; flags "
                                                   "on the command line win.")
     s.add_argument("--enable-log-requests", action="store_true", help="Log each request as it is admitted.")
@@ -170,7 +174,8 @@ def build_server(ns: argparse.Namespace, worker=None):
                               log_requests=ns.enable_log_requests,
                               tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
                               tools_when_none=not ns.exclude_tools_when_tool_choice_none,
-                              prompt_tokens_details=ns.enable_prompt_tokens_details)
+                              prompt_tokens_details=ns.enable_prompt_tokens_details,
+                              record_lengths=ns.record_lengths)
     app = build_app(engine, settings)
     # uvicorn's own deadline comes after ours, so it finds every stream already ended
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),

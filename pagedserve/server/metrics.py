@@ -6,11 +6,15 @@ the frontend as outputs arrive. Each server has its own registry.
 
 from __future__ import annotations
 
+import json
+import time
+
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pagedserve.engine.core import STEP_TOKEN_BUCKETS
 from pagedserve.engine.request import Request
+from pagedserve.errors import ConfigError
 from pagedserve.memory import dtype_name
 from pagedserve.outputs import RequestOutput
 
@@ -165,6 +169,27 @@ class _EngineCollector:
         yield info
 
 
+class LengthRecorder:
+    """``--record-lengths FILE``: a JSON line for each request that ran to its end (arrival time, prompt
+    and output tokens, why it ended): the shape of the traffic without its text, which `bench
+    --dataset-name lengths` replays."""
+
+    def __init__(self, path: str):
+        try:
+            self.file = open(path, "a", buffering=1)  # line-buffered: a killed server loses no whole line
+        except OSError as e:
+            raise ConfigError(f"--record-lengths {path}: cannot append to it ({e.strerror}).") from None
+
+    def record(self, res: RequestOutput, output_tokens: int) -> None:
+        arrival = time.time() - (time.monotonic() - res.metrics.arrival_time)
+        self.file.write(json.dumps({"arrival": round(arrival, 4), "prompt_tokens": len(res.prompt_token_ids),
+                                    "output_tokens": output_tokens,
+                                    "finish_reason": res.outputs[0].finish_reason}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class ServerMetrics:
     def __init__(self, engine, model_name: str):
         self.registry = CollectorRegistry()
@@ -172,6 +197,7 @@ class ServerMetrics:
         self.rejected: dict[str, int] = {}   # by the ingress limit that refused them
         self.degradation = None               # the profile switcher, when the server has profiles
         self.window = None                    # its signal window: fed TTFTs and ITLs as they happen
+        self.recorder: LengthRecorder | None = None  # --record-lengths
         self.registry.register(_EngineCollector(engine, model_name, self))
 
         def hist(name, doc, buckets):  # labelled as the collector's families are
@@ -239,6 +265,8 @@ class ServerMetrics:
         m = res.metrics
         self.prompt_tokens.observe(len(res.prompt_token_ids))
         self.generation_tokens.observe(count)
+        if self.recorder is not None:
+            self.recorder.record(res, count)
         if m.first_token_time is None or m.last_token_time is None or m.first_scheduled_time is None:
             return
         self.prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))

@@ -12,7 +12,7 @@ from fastapi import Request
 from pagedserve.outputs import RequestOutput
 from pagedserve.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.server.errors import APIError, unavailable
-from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.metrics import LengthRecorder, ServerMetrics
 
 INGRESS_LIMITS = ("max_num_queued_reqs", "max_num_queued_tokens", "max_input_tokens")
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # set only with --enable-auto-tool-choice: tool_choice "auto" works
     tools_when_none: bool = True         # not --exclude-tools-when-tool-choice-none
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage names the cached prompt tokens
+    record_lengths: str | None = None    # --record-lengths FILE
 
 
 class Admission:
@@ -98,6 +99,8 @@ class ServerState:
         self.engine, self.settings = engine, settings
         self.served = settings.served_model_names
         self.metrics = ServerMetrics(engine, self.served[0])
+        if settings.record_lengths is not None:
+            self.metrics.recorder = LengthRecorder(settings.record_lengths)
         engine.observer = self.metrics
         self.admission = Admission(engine, self.metrics, settings)
         self.degradation = None
