@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from pagedserve.bench.datasets import (NO_TOKENIZER_VOCAB, custom_dataset, describe_recorded_lengths,
-                                       lengths_dataset, random_dataset, read_recorded_lengths, sharegpt_dataset)
+                                       lengths_dataset, random_dataset, read_recorded_lengths, replayed_lengths,
+                                       sharegpt_dataset)
 from pagedserve.bench.metrics import RequestResult, calculate_metrics, parse_goodput, scrape_values
 from pagedserve.bench.serve import SCRAPED, arrival_delays
 from pagedserve.cli import main
@@ -135,16 +136,30 @@ def test_a_server_records_its_traffic_and_bench_replays_its_shape(tmp_path, caps
                 for n, m in ((12, 3), (40, 7), (25, 5))]
         made.append(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                    max_tokens=4).usage)
-        lines = [json.loads(line) for line in rec.read_text().splitlines()]
+        recorded = tmp_path / "recorded.jsonl"  # what these four left (the replays below are recorded too)
+        recorded.write_text(rec.read_text())
+        lines = [json.loads(line) for line in recorded.read_text().splitlines()]
         assert [(r["prompt_tokens"], r["output_tokens"]) for r in lines] == \
             [(u.prompt_tokens, u.completion_tokens) for u in made]
-        main(["bench", "serve", "--base-url", url, "--dataset-name", "lengths", "--dataset-path", str(rec),
+        main(["bench", "serve", "--base-url", url, "--dataset-name", "lengths", "--dataset-path", str(recorded),
               "--num-prompts", "8", "--disable-tqdm", "--num-warmups", "0", "--result-dir", str(tmp_path),
               "--result-filename", "replay.json"])
+        main(["bench", "serve", "--base-url", url, "--dataset-name", "lengths", "--dataset-path", str(recorded),
+              "--replay-arrivals", "--replay-speed", "2", "--num-prompts", "4", "--disable-tqdm",
+              "--num-warmups", "0", "--result-dir", str(tmp_path), "--result-filename", "timed.json"])
+    timed = json.loads((tmp_path / "timed.json").read_text())
+    assert timed["completed"] == 4 and timed["replay_speed"] == 2 and timed["burstiness"] is None
+    assert timed["output_lens"] == [r["output_tokens"] for r in lines]  # in recorded order, each its length
     result = json.loads((tmp_path / "replay.json").read_text())
     outputs = {r["output_tokens"] for r in lines}
-    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["completed"] == 8 and result["failed"] == 0 and len(rec.read_text().splitlines()) == 4 + 8 + 4
     assert min(outputs) * 8 <= result["total_output_tokens"] <= max(outputs) * 8  # each ran its recorded length
+    samples, offsets = replayed_lengths(str(recorded), 3, speed=4.0)
+    assert [(s.prompt_len, s.expected_output_len) for s in samples] == \
+        [(r["prompt_tokens"], r["output_tokens"]) for r in lines[:3]]
+    assert offsets == pytest.approx([(r["arrival"] - lines[0]["arrival"]) / 4 for r in lines[:3]])
+    with pytest.raises(ConfigError, match="holds 4 requests"):
+        replayed_lengths(str(recorded), 5)
     with pytest.raises(SystemExit):  # an unwritable recording fails the start, naming the flag
         main(["serve", "tiny", "--record-lengths", str(tmp_path / "no" / "such" / "dir.jsonl")])
     assert "--record-lengths" in capsys.readouterr().err

@@ -47,7 +47,8 @@ def _save(ns, result: dict, default_name: str) -> None:
 
 
 def cmd_bench_serve(ns: argparse.Namespace) -> None:
-    from pagedserve.bench.datasets import LENGTH_DATASETS, announce_dataset, client_tokenizer, load_dataset
+    from pagedserve.bench.datasets import (LENGTH_DATASETS, announce_dataset, client_tokenizer, load_dataset,
+                                           replayed_lengths)
     from pagedserve.bench.metrics import METRIC_KEYS, parse_goodput
     from pagedserve.bench.serve import BenchConfig, format_table, run_benchmark, served_model
 
@@ -68,13 +69,24 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--metric-percentiles/--goodput: {e}") from e
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ConfigError("--metric-percentiles must be in [0, 100].")
+    if ns.replay_arrivals and (ns.dataset_name != "lengths" or ns.dataset_path is None):
+        raise ConfigError("--replay-arrivals replays a recording: give --dataset-name lengths --dataset-path FILE "
+                          "(a `serve --record-lengths` file).")
+    if ns.replay_arrivals and not math.isinf(ns.request_rate):
+        raise ConfigError("--replay-arrivals sends each request when it was recorded; leave out --request-rate "
+                          "(use --replay-speed to replay faster or slower).")
     announce_dataset(ns)
     base = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
     model = ns.model or served_model(base, ns.api_key)
     ns.model = model
-    samples = load_dataset(ns, client_tokenizer(ns.tokenizer, ns.model))
+    tokenizer, arrivals = client_tokenizer(ns.tokenizer, ns.model), None
+    if ns.replay_arrivals:
+        samples, arrivals = replayed_lengths(ns.dataset_path, ns.num_prompts, ns.replay_speed, tokenizer)
+    else:
+        samples = load_dataset(ns, tokenizer)
     cfg = BenchConfig(base_url=base, endpoint=ns.endpoint, model=model, request_rate=ns.request_rate,
-                      burstiness=ns.burstiness, max_concurrency=ns.max_concurrency,
+                      burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, arrivals=arrivals,
+                      replay_speed=ns.replay_speed if ns.replay_arrivals else None,
                       ignore_eos=ns.ignore_eos or ns.dataset_name in LENGTH_DATASETS, seed=ns.seed,
                       num_warmups=ns.num_warmups, api_key=ns.api_key, show_progress=not ns.disable_tqdm)
     result = asyncio.run(run_benchmark(cfg, samples, percentiles, pct_metrics, goodput))
@@ -252,6 +264,11 @@ def add_bench_parser(sub) -> None:
     _add_dataset_args(s, client=True)
     s.add_argument("--request-rate", type=float, default=math.inf, help="Requests per second (default inf: all at once).")
     s.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrivals; 1 = Poisson.")
+    s.add_argument("--replay-arrivals", action="store_true",
+                   help="With --dataset-name lengths: send the first --num-prompts recorded requests at their "
+                        "recorded times (offsets from the first), instead of at --request-rate.")
+    s.add_argument("--replay-speed", type=float, default=1.0,
+                   help="With --replay-arrivals: how much faster than recorded (2: the gaps halved).")
     s.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight from this client.")
     s.add_argument("--ignore-eos", action="store_true", help="Always on for the random dataset.")
     s.add_argument("--num-warmups", type=int, default=1)

@@ -102,6 +102,25 @@ def lengths_dataset(path: str, num_prompts: int, seed: int = 0, tokenizer=None) 
     return _random_prompts(rng, _allowed_ids(tokenizer), [], in_lens, out_lens, tokenizer)
 
 
+def replayed_lengths(path: str, num_prompts: int, speed: float = 1.0,
+                     tokenizer=None) -> tuple[list[SampleRequest], list[float]]:
+    """The first ``num_prompts`` recorded requests in arrival order, as prompts of their lengths, and when
+    each is sent: its recorded offset from the first, divided by ``speed`` (2: twice as fast)."""
+    if speed <= 0:
+        raise ConfigError(f"--replay-speed must be positive, got {speed}.")
+    rows = read_recorded_lengths(path)
+    if any(not isinstance(r.get("arrival"), (int, float)) for r in rows):
+        raise ConfigError(f"--dataset-path {path}: some lines have no arrival time to replay (write it with "
+                          f"`serve --record-lengths`), or leave out --replay-arrivals.")
+    if num_prompts > len(rows):
+        raise ConfigError(f"--num-prompts {num_prompts}: {path} holds {len(rows)} requests to replay; ask for "
+                          f"at most that many.")
+    rows = sorted(rows, key=lambda r: r["arrival"])[:num_prompts]
+    samples = _random_prompts(np.random.default_rng(0), _allowed_ids(tokenizer), [],
+                              [r["prompt_tokens"] for r in rows], [r["output_tokens"] for r in rows], tokenizer)
+    return samples, [(r["arrival"] - rows[0]["arrival"]) / speed for r in rows]
+
+
 def read_recorded_lengths(path: str) -> list[dict]:
     """The requests of a ``--record-lengths`` file that produced output: {"arrival", "prompt_tokens",
     "output_tokens", ...} each."""

@@ -33,6 +33,8 @@ class BenchConfig:
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
+    arrivals: list[float] | None = None  # each request's send offset (a replayed recording), over the rate
+    replay_speed: float | None = None
     ignore_eos: bool = False
     seed: int = 0
     num_warmups: int = 1
@@ -52,6 +54,11 @@ def arrival_delays(n: int, rate: float, burstiness: float, seed: int) -> np.ndar
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
     offsets = np.cumsum(gaps)
     return offsets * (n / rate) / offsets[-1]
+
+
+def replayed_rate(offsets: list[float]) -> float | str:
+    """The mean rate a replayed recording sent at (its gaps' count over their span)."""
+    return (len(offsets) - 1) / offsets[-1] if offsets[-1] > 0 else "inf"
 
 
 async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, sample: SampleRequest,
@@ -228,7 +235,7 @@ async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest], percenti
         await scraper.begin()
         stop = asyncio.Event()
         scrape_task = asyncio.create_task(scraper.run(stop))
-        delays = arrival_delays(len(samples), cfg.request_rate, cfg.burstiness, cfg.seed)
+        delays = cfg.arrivals or arrival_delays(len(samples), cfg.request_rate, cfg.burstiness, cfg.seed)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         bar = tqdm(total=len(samples), desc="Requests", disable=not cfg.show_progress, dynamic_ncols=True,
                    leave=False)
@@ -256,8 +263,10 @@ async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest], percenti
         "endpoint_type": "openai-chat" if cfg.endpoint.endswith("chat/completions") else "openai",
         "model_id": cfg.model,
         "num_prompts": len(samples),
-        "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
-        "burstiness": cfg.burstiness,
+        "request_rate": replayed_rate(cfg.arrivals) if cfg.arrivals else
+                        "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+        "burstiness": cfg.burstiness if not cfg.arrivals else None,
+        "replay_speed": cfg.replay_speed,
         "max_concurrency": cfg.max_concurrency,
         **calculate_metrics(results, duration, percentiles, percentile_metrics, goodput),
         **scraper.summary(),
