@@ -14,14 +14,14 @@ from starlette.datastructures import Headers
 import pagedserve
 from pagedserve.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.server.errors import APIError, error_response, install_handlers
-from pagedserve.server.routes import admin, openai, ops
+from pagedserve.server.routes import admin, openai, ops, responses
 from pagedserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
 
 # open without --api-key: liveness probes and Prometheus scrapers do not carry the key
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 def too_large(limit: int) -> str:
@@ -143,6 +143,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)  # the outer one
 
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(ops.router)
     app.include_router(admin.router)
     return app

@@ -6,7 +6,7 @@ import json
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
@@ -304,3 +304,111 @@ class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[StrictInt]
 
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's Responses API body, answered statelessly: the conversation comes whole in ``input`` (no
+    ``previous_response_id``; nothing is stored). It is carried over to a chat request, so both APIs share
+    the template, the sampling fields (vLLM's extras too: seed, top_k, stop, ...) and the output parsers."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model: str | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
+    text: dict[str, Any] | None = None
+    stream: StrictBool = False
+    previous_response_id: StrictStr | None = None
+    background: StrictBool = False
+
+    def to_chat(self) -> ChatCompletionRequest:
+        if self.previous_response_id is not None:
+            raise InvalidRequestError("previous_response_id", "This server keeps no responses: send the whole "
+                                                              "conversation in input (earlier outputs included).")
+        if self.background:
+            raise InvalidRequestError("background", "Background responses are not kept by this server; leave out "
+                                                    "background (or stream the response).")
+        extra = dict(self.model_extra or {})  # vLLM's sampling extras go on to the chat request as they came
+        if extra.get("n", 1) != 1:
+            raise InvalidRequestError("n", "A response has one output: leave out n (or send 1).")
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
+        messages += _chat_messages([{"role": "user", "content": self.input}] if isinstance(self.input, str)
+                                   else self.input)
+        body = {**extra, "model": self.model, "messages": messages, "stream": self.stream,
+                "parallel_tool_calls": self.parallel_tool_calls}
+        if self.max_output_tokens is not None:
+            body["max_tokens"] = self.max_output_tokens
+        if self.tools:
+            body["tools"] = [_chat_tool(t) for t in self.tools]
+        if self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) else {
+                "type": "function", "function": {"name": self.tool_choice.get("name")}}
+        fmt = (self.text or {}).get("format")
+        if fmt is not None:
+            body["response_format"] = _chat_format(fmt)
+        try:
+            return ChatCompletionRequest(**body)
+        except ValidationError as e:  # a field carried over as it came (a sampling extra): name it
+            err = e.errors()[0]
+            raise InvalidRequestError(".".join(map(str, err["loc"])), err["msg"]) from None
+
+
+def _chat_tool(tool: dict) -> dict:
+    """A Responses function tool ({"type": "function", "name", "parameters", ...}) as the chat API has it."""
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise InvalidRequestError("tools", f"Only function tools ({{\"type\": \"function\", \"name\": ...}}) run "
+                                           f"on this server, got {str(tool)[:120]}.")
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                                             if tool.get(k) is not None}}
+
+
+def _chat_format(fmt: dict) -> dict:
+    """text.format ({"type": "json_schema", "name", "schema"} flat) as chat's response_format."""
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
+    return fmt
+
+
+def _text_of(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else [content]
+    if any(not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text")
+           or not isinstance(p.get("text"), str) for p in parts):
+        raise InvalidRequestError(where, "Only text content (input_text / output_text parts) runs on this server.")
+    return "".join(p["text"] for p in parts)
+
+
+def _chat_messages(items: list[dict]) -> list[dict]:
+    """Responses input items as chat messages: messages as they are (developer as system), a run of
+    function calls as one assistant message's tool calls, a call's output as a tool message; reasoning
+    items are left out (templates drop earlier reasoning)."""
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidRequestError(f"input.{i}.role", f"An input message's role is user, assistant, system "
+                                                             f"or developer, got {role!r}.")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content"), f"input.{i}.content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind != "reasoning":
+            raise InvalidRequestError(f"input.{i}.type", f"Input items of type {kind!r} do not run on this server "
+                                                         f"(message, function_call, function_call_output do).")
+    return messages

@@ -13,6 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplitter, prompt_state
 from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -59,9 +60,10 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
                                                  "usage": usage})
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
-    model = state.check_model(body.model)
+async def start_chat(body: ChatCompletionRequest, state: ServerState,
+                     rid: str) -> tuple[list, list[ChatOutputParser], SamplingParams]:
+    """Render a conversation and start its ``n`` requests: their output streams, each one's output parser
+    (reasoning, tool calls) and the sampling parameters (shared by the chat and the Responses API)."""
     settings = state.settings
     mode, function = body.tool_mode()
     if mode == "auto" and settings.tool_call_parser is None:
@@ -73,9 +75,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
     template_args = body.template_args(settings.trust_request_chat_template, settings.tools_when_none)
     state.admission.check_room(params.n)
     prompt = await asyncio.to_thread(state.engine.inputs.apply_chat_template, messages, **template_args)
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams = await state.start(rid, [prompt], params, body.priority)
-    want_lp = params.logprobs is not None
     reasoning_parser = state.engine.config.args.reasoning_parser
     if reasoning_parser is not None:
         prompt_reasons = prompt_state(state.engine.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
@@ -87,10 +87,19 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
                  RequiredCallsParser() if mode == "required" else None)
         return ChatOutputParser(reasoning, tools, body.include_reasoning)
 
+    return streams, [parser() for _ in streams], params
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, raw: Request, state: ServerState = Depends(server_state)):
+    model = state.check_model(body.model)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    streams, parsers, params = await start_chat(body, state, rid)
+    want_lp = params.logprobs is not None
+
     def logprobs(c):
         return _chat_logprobs(c, params.logprobs) if want_lp else None
 
-    parsers = [parser() for _ in streams]
     started = [False] * len(streams)
 
     def delta(j: int, out: RequestOutput) -> dict | None:
@@ -117,7 +126,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
                 "usage": usage}
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    return await _respond(body, raw, streams, _Usage(params.n, settings.prompt_tokens_details), head, delta, final)
+    return await _respond(body, raw, streams, _Usage(params.n, state.settings.prompt_tokens_details), head, delta,
+                          final)
 
 
 async def _respond(body, raw: Request, streams: list, usage: _Usage, head: dict,
