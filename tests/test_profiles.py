@@ -282,6 +282,7 @@ def test_tune_writes_profiles_serve_accepts_and_a_runbook_with_the_measured_thre
     runbook = (tmp_path / "RUNBOOK.md").read_text()
     assert f"| {spec.triggers.itl_p95_ms.above:g} |" in runbook and "| 5000 |" in runbook
     assert f"--max-num-seqs {protect.max_num_seqs}" in runbook and "## The three failure situations" in runbook
+    assert "--dataset-name lengths --dataset-path traffic.jsonl" in runbook  # re-tune on recorded traffic
     alerts = yaml.safe_load((tmp_path / "alerts.yaml").read_text())
     exprs = {r["alert"]: r["expr"] for r in alerts["groups"][0]["rules"]}
     assert exprs["PagedserveTTFTHigh"].endswith("> 5") and "PagedserveProtectHeld" in exprs

@@ -163,7 +163,9 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
         f"`{{\"profile\": \"auto\"}}` to let the triggers decide again. Check afterwards: "
         f"`pagedserve:profile_active{{profile=\"normal\"}} == 1`, no preemptions in the last minute, p95 TTFT and ITL "
         f"under their thresholds. If protect keeps coming back, the normal profile is past the knee for today's "
-        f"traffic: run `pagedserve tune` again with a production-like --dataset-path.")
+        f"traffic: serve with `--record-lengths traffic.jsonl` for a while (each request's arrival and lengths, "
+        f"no text), then run `pagedserve tune {model} --dataset-name lengths --dataset-path traffic.jsonl` to "
+        f"measure the ladder again with that traffic's shape.")
     add("")
     add("## The three failure situations")
     add("")
