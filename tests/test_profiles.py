@@ -15,6 +15,7 @@ import yaml
 from pagedserve.cli import main
 from pagedserve.config import EngineArgs
 from pagedserve.errors import ConfigError
+from pagedserve.tune.derive import derive
 from pagedserve.tune.profiles import ProfileController, ProfilesFile, check_against_engine, load_profiles
 from tests.serving import metric_values, running_server, wait_until
 
@@ -155,6 +156,30 @@ def test_profiles_file_must_be_yaml_and_fit_the_engine(tmp_path):
     data["profiles"]["protect"]["max_input_tokens"] = 1024
     with pytest.raises(ConfigError, match="profiles.protect.max_input_tokens .1024. must be below max_model_len"):
         check_against_engine(load_profiles(_write(tmp_path, data)), config)
+    data["profiles"]["protect"].update(max_input_tokens=100, max_priority=0)
+    with pytest.raises(ConfigError, match="profiles.protect.max_priority .*--scheduling-policy priority"):
+        check_against_engine(load_profiles(_write(tmp_path, data)), config)
+
+
+def test_protect_sheds_the_sheddable_class_under_priority_scheduling(tmp_path):
+    """max_priority: while protect holds, requests less urgent than it get 503 with Retry-After; the default
+    priority (0) and more urgent ones still enter; normal admits every priority."""
+    data = {**json.loads(json.dumps(FLOOD)), "triggers": {}}
+    data["profiles"]["protect"]["max_priority"] = 0
+    with running_server(*ENGINE, "--scheduling-policy", "priority", "--profiles", str(_write(tmp_path, data))) \
+            as (url, _):
+        def ask(priority: int) -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", timeout=30,
+                              json={"prompt": "Hi", "max_tokens": 2, "priority": priority})
+
+        assert ask(3).status_code == 200  # normal
+        httpx.post(f"{url}/admin/profile", json={"profile": "protect"})
+        shed = ask(1)
+        assert shed.status_code == 503 and "Retry-After" in shed.headers
+        assert "priority 1" in shed.json()["error"]["message"] and "max_priority" in shed.json()["error"]["message"]
+        assert ask(0).status_code == 200 and ask(-2).status_code == 200
+        assert metric_values(url)["pagedserve:rejected_requests_total"] == 1
+        assert 'limit="max_priority"' in httpx.get(f"{url}/metrics").text
 
 
 def test_serve_refuses_a_bad_profiles_file_before_loading_the_model(tmp_path, capsys):
@@ -283,6 +308,10 @@ def test_tune_writes_profiles_serve_accepts_and_a_runbook_with_the_measured_thre
     assert f"| {spec.triggers.itl_p95_ms.above:g} |" in runbook and "| 5000 |" in runbook
     assert f"--max-num-seqs {protect.max_num_seqs}" in runbook and "## The three failure situations" in runbook
     assert "--dataset-name lengths --dataset-path traffic.jsonl" in runbook  # re-tune on recorded traffic
+    assert protect.max_priority is None  # fcfs: no priorities to shed by; under the priority policy, 1 and up
+    by_priority = EngineArgs(model="tiny", kv_cache_memory="16MiB", max_model_len=512, max_num_seqs=8,
+                             max_num_batched_tokens=512, scheduling_policy="priority").create_config(serving=True)
+    assert derive(doc, by_priority, model="tiny").spec.profiles["protect"].max_priority == 0
     alerts = yaml.safe_load((tmp_path / "alerts.yaml").read_text())
     exprs = {r["alert"]: r["expr"] for r in alerts["groups"][0]["rules"]}
     assert exprs["PagedserveTTFTHigh"].endswith("> 5") and "PagedserveProtectHeld" in exprs

@@ -14,7 +14,7 @@ from pagedserve.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.server.errors import APIError, unavailable
 from pagedserve.server.metrics import LengthRecorder, ServerMetrics
 
-INGRESS_LIMITS = ("max_num_queued_reqs", "max_num_queued_tokens", "max_input_tokens")
+INGRESS_LIMITS = ("max_num_queued_reqs", "max_num_queued_tokens", "max_input_tokens", "max_priority")
 logger = logging.getLogger(__name__)
 
 
@@ -45,7 +45,8 @@ class Admission:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, settings: ServerSettings):
         self.engine, self.metrics = engine, metrics
         self.defaults = {"max_num_queued_reqs": settings.max_num_queued_reqs,
-                         "max_num_queued_tokens": settings.max_num_queued_tokens, "max_input_tokens": None}
+                         "max_num_queued_tokens": settings.max_num_queued_tokens, "max_input_tokens": None,
+                         "max_priority": None}
         self.limits = dict(self.defaults)
         self.profile: str | None = None
         self.retry_after: Callable[[], float] = lambda: 1.0
@@ -60,12 +61,12 @@ class Admission:
     def apply(self, name: str, limits: dict) -> None:
         self.profile, self.limits = name, self._resolve(limits)
 
-    def _refuse(self, limit: str, n: int, own: int, detail: str) -> None:
+    def _refuse(self, limit: str, n: int, own: int, detail: str, param: str = "prompt") -> None:
         """``own``: what this call alone asks of the limit; past the loosest profile's value it is a 400."""
         ceiling = self.ceilings[limit]
         if ceiling is not None and own > ceiling:
             raise APIError(400, f"{detail}, but this server never admits more than {ceiling} ({limit}); "
-                                f"it can never be served here.", "BadRequestError", "prompt")
+                                f"it can never be served here.", "BadRequestError", param)
         where = f"the active profile '{self.profile}'" if self.profile else f"--{limit.replace('_', '-')}"
         self.metrics.rejected[limit] = self.metrics.rejected.get(limit, 0) + n
         raise unavailable(f"{detail}, over the limit of {self.limits[limit]} that {where} sets ({limit}); "
@@ -80,10 +81,12 @@ class Admission:
             self._refuse("max_num_queued_reqs", n, n, f"This call carries {n} prompts" if n > q else
                          f"{self.engine.num_in_flight} requests are in flight and this call adds {n}")
 
-    def check(self, prompt_lens: list[int]) -> None:
+    def check(self, prompt_lens: list[int], priority: int = 0) -> None:
         """Raise unless every prompt of one API call may enter now."""
         self.check_room(len(prompt_lens))
         n, lim, engine = len(prompt_lens), self.limits, self.engine
+        if lim["max_priority"] is not None and priority > lim["max_priority"]:
+            self._refuse("max_priority", n, priority, f"A request of priority {priority}", "priority")
         longest, tokens = max(prompt_lens), sum(prompt_lens)
         if lim["max_input_tokens"] is not None and longest > lim["max_input_tokens"]:
             self._refuse("max_input_tokens", n, longest, f"A prompt of {longest} tokens")
@@ -126,7 +129,7 @@ class ServerState:
         lens = [req.num_prompt_tokens for req, _ in made]
         if self.degradation is not None:
             self.degradation.window.arrived(lens)
-        self.admission.check(lens)
+        self.admission.check(lens, priority)
         self.metrics.admitted([req for req, _ in made], params.n)
         if self.settings.log_requests:
             logger.info("Received request %s: %d prompt(s) of %s tokens, %s", base_id, len(lens), lens, params)

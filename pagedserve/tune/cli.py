@@ -108,7 +108,8 @@ def cmd_tune(ns: argparse.Namespace) -> None:
     print(f"\nnormal:  --max-num-seqs {normal.max_num_seqs} --max-num-batched-tokens {normal.max_num_batched_tokens}, "
           f"{normal.max_num_queued_reqs} in flight\nprotect: --max-num-seqs {protect.max_num_seqs} "
           f"--max-num-batched-tokens {protect.max_num_batched_tokens}, prompts up to {protect.max_input_tokens} tokens, "
-          f"{protect.max_num_queued_reqs} in flight\n"
+          f"{protect.max_num_queued_reqs} in flight"
+          + (f", priorities above {protect.max_priority} shed" if protect.max_priority is not None else "") + "\n"
           f"Wrote {folder}/profiles.yaml, RUNBOOK.md, alerts.yaml and the ladder's report.html.\n"
           f"Serve with: {serve} --profiles {folder}/profiles.yaml")
 

@@ -7,8 +7,9 @@ normal:  max_num_seqs = the recommended concurrency C (left of the knee); the to
 protect: the rung below C; half the token budget (smaller prefill chunks: decodes wait less behind long
          prompts); prompts capped at the longest one measured (anything longer is the burst the profile
          guards against); its own queue by the same rule; with a TTFT SLO, prompt tokens waiting capped at
-         SLO x the prompt tokens/s measured at C (vLLM's rule for --max-num-queued-tokens). A 16-bit KV cache
-         lists fp8 as a restart-only step, to take after ``pagedserve bench quality`` passes.
+         SLO x the prompt tokens/s measured at C (vLLM's rule for --max-num-queued-tokens); under
+         --scheduling-policy priority, requests marked sheddable (priority 1 or more) refused. A 16-bit KV
+         cache lists fp8 as a restart-only step, to take after ``pagedserve bench quality`` passes.
 triggers: KV usage at the knee's KV level; any preemption in a minute (the recommended rung had none);
          p95 TTFT and ITL at the SLO, else at what the knee rung measured (else twice C's); a queue 80 % full;
          more long prompts in a minute than C.
@@ -86,8 +87,14 @@ def derive(doc: dict, config, *, model: str) -> Derivation:
         why["profiles.protect.max_num_queued_tokens"] = (f"the TTFT SLO {ttft_slo:g} ms x {prefill_rate:,.0f} prompt "
                                                          f"tokens/s measured at {at(r)}")
     restart = {"kv_cache_dtype": "fp8"} if config.kv_dtype.itemsize > 1 else {}
+    shed = 0 if config.args.scheduling_policy == "priority" else None
+    if shed is not None:
+        why["profiles.protect.max_priority"] = ("requests sent with a priority of 1 or more are the sheddable "
+                                                "class: refused with 503 while protect holds (0, the default, "
+                                                "and more urgent ones still enter)")
     protect = Profile(max_num_seqs=pseqs, max_num_batched_tokens=ptokens, max_input_tokens=pinput,
-                      max_num_queued_reqs=pqueue, max_num_queued_tokens=queued_tokens, restart=restart)
+                      max_num_queued_reqs=pqueue, max_num_queued_tokens=queued_tokens, max_priority=shed,
+                      restart=restart)
 
     def latency_trigger(metric: str, slo_ms: float | None) -> Trigger:
         key = f"p95_{metric}_ms"

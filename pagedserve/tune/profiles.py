@@ -6,7 +6,7 @@ The file is YAML (``pagedserve tune`` writes one; ``pagedserve serve --profiles 
     profiles:
       normal:  {max_num_seqs: 16, max_num_batched_tokens: 4096, max_num_queued_reqs: 48}
       protect: {max_num_seqs: 8, max_num_batched_tokens: 2048, max_input_tokens: 2048, max_num_queued_reqs: 16,
-                restart: {kv_cache_dtype: fp8}}
+                max_priority: 0, restart: {kv_cache_dtype: fp8}}   # max_priority: sheds priority >= 1
     triggers:            # to protect when any signal stays above its level for for_s seconds
       kv_cache_usage: {above: 0.9, for_s: 10}
       preemptions_per_min: {above: 0}
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, StrictInt, ValidationError
 
 from pagedserve.errors import ConfigError
 
@@ -55,6 +55,8 @@ class Profile(_Strict):
     max_input_tokens: PositiveInt | None = None
     max_num_queued_reqs: PositiveInt | None = None
     max_num_queued_tokens: PositiveInt | None = None
+    # with --scheduling-policy priority: requests less urgent than this (a higher priority value) are shed
+    max_priority: StrictInt | None = None
     restart: dict[Literal[RESTART_SETTINGS], str | int | float | bool] = Field(default_factory=dict)
 
     def live_limits(self) -> dict:
@@ -153,6 +155,10 @@ def check_against_engine(spec: ProfilesFile, config) -> None:
             config.check_runtime_limits(prof.max_num_seqs, prof.max_num_batched_tokens)
         except ConfigError as e:
             raise ConfigError(f"--profiles: profiles.{name}: {e}") from e
+        if prof.max_priority is not None and config.args.scheduling_policy != "priority":
+            raise ConfigError(f"--profiles: profiles.{name}.max_priority sheds requests by their priority, which "
+                              f"only --scheduling-policy priority takes (under fcfs every request has priority 0): "
+                              f"add the flag, or leave max_priority out.")
         if prof.max_input_tokens is not None and prof.max_input_tokens >= config.max_model_len:
             raise ConfigError(f"--profiles: profiles.{name}.max_input_tokens ({prof.max_input_tokens}) must be below "
                               f"max_model_len ({config.max_model_len}), which already caps prompts.")

@@ -14,6 +14,7 @@ LIMIT_HELP = {
     "max_input_tokens": "longest prompt admitted at the entrance, in tokens",
     "max_num_queued_reqs": "requests in flight, running + waiting (--max-num-queued-reqs)",
     "max_num_queued_tokens": "prompt tokens of requests not yet started (--max-num-queued-tokens)",
+    "max_priority": "least urgent priority admitted (--scheduling-policy priority; higher values are shed)",
 }
 
 
@@ -137,7 +138,9 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
                                    f"after `pagedserve bench quality {model}` passes." if protect.restart else ""))
     add(f"3. **Queueing with memory not full** (queue above {spec.triggers.queue_depth.above:g}): the server is past "
         f"its throughput knee; protect's queue limit ({protect.max_num_queued_reqs}) sheds the excess with 503 so "
-        f"admitted requests keep their latency. Lasting queues need more replicas, not bigger settings: "
+        f"admitted requests keep their latency"
+        + (f", and requests of priority above {protect.max_priority} (the sheddable class) are refused while it "
+           f"holds" if protect.max_priority is not None else "") + f". Lasting queues need more replicas, not bigger settings: "
         f"{rec['output_throughput']:,.0f} output tok/s at concurrency {rec['load']:g} is what this device gave left of the knee.")
     add("")
     add("## Values to fall back to")
@@ -145,7 +148,8 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
     add(f"The protect profile: --max-num-seqs {protect.max_num_seqs}, --max-num-batched-tokens "
         f"{protect.max_num_batched_tokens}, prompts up to {protect.max_input_tokens} tokens, "
         f"{protect.max_num_queued_reqs} requests in flight"
-        + (f", {protect.max_num_queued_tokens} prompt tokens waiting" if protect.max_num_queued_tokens else "") + ". "
+        + (f", {protect.max_num_queued_tokens} prompt tokens waiting" if protect.max_num_queued_tokens else "")
+        + (f", priorities above {protect.max_priority} shed" if protect.max_priority is not None else "") + ". "
         "Pin it by hand: `curl -X POST $URL/admin/profile -H 'Content-Type: application/json' -d '{\"profile\": \"protect\"}'`"
         " (add `-H 'Authorization: Bearer $KEY'` with --api-key).")
     if protect.restart:
