@@ -7,6 +7,7 @@ and forced tool choices parse on its random weights because the grammar makes th
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -124,14 +125,21 @@ def test_messages_with_calls_reach_the_template_with_their_arguments_as_a_mappin
     assert "tools" not in ChatCompletionRequest(**body, tool_choice="none").template_args(True, tools_when_none=False)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+@contextmanager
+def parsing_server(folder):
+    """A server with TEMPLATE, Qwen3's reasoning parser and hermes tool calls: (url, openai client, app)."""
+    template = folder / "chat.jinja"
     template.write_text(TEMPLATE)
     flags = (*ENGINE, "--chat-template", str(template), "--reasoning-parser", "qwen3",
              "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     with running_server(*flags) as (url, app):
         yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), app
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with parsing_server(tmp_path_factory.mktemp("template")) as running:
+        yield running
 
 
 def scripted(text: str) -> dict:

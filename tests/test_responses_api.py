@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
-from tests.serving import running_server
-from tests.test_reasoning_and_tools import ENGINE, NO_THINKING, TEMPLATE, WEATHER, scripted
+from tests.test_reasoning_and_tools import NO_THINKING, WEATHER, parsing_server, scripted
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
           "parameters": WEATHER["function"]["parameters"]}]
@@ -19,12 +17,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "chat.jinja"
-    template.write_text(TEMPLATE)
-    flags = (*ENGINE, "--chat-template", str(template), "--reasoning-parser", "qwen3",
-             "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    with running_server(*flags) as (url, _):
-        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with parsing_server(tmp_path_factory.mktemp("template")) as (url, client, _):
+        yield url, client
 
 
 def items(response) -> list[tuple]:

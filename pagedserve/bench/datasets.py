@@ -125,9 +125,7 @@ def read_recorded_lengths(path: str) -> list[dict]:
     """The requests of a ``--record-lengths`` file that produced output: {"arrival", "prompt_tokens",
     "output_tokens", ...} each."""
     rows = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, line in _lines(path):
         try:
             row = json.loads(line)
             ok = all(isinstance(row[k], int) and row[k] >= 0 for k in ("prompt_tokens", "output_tokens"))
@@ -189,9 +187,7 @@ def sharegpt_dataset(path: str, num_prompts: int, tokenizer=None, output_len: in
 def custom_dataset(path: str, num_prompts: int, tokenizer=None, output_len: int = 256) -> list[SampleRequest]:
     """JSONL: one {"prompt": ..., "output_len": N} per line (output_len optional)."""
     samples = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, line in _lines(path):
         try:
             row = json.loads(line)
             prompt = row["prompt"]
@@ -216,6 +212,11 @@ def _read_text(path: str) -> str:
     if not p.is_file():
         raise ConfigError(f"--dataset-path {path!r} is not a file.")
     return p.read_text()
+
+
+def _lines(path: str):
+    """(line number, line) of a JSONL file's non-blank lines."""
+    return ((n, line) for n, line in enumerate(_read_text(path).splitlines(), 1) if line.strip())
 
 
 def _read_json(path: str):
