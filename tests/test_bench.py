@@ -111,7 +111,9 @@ def test_recorded_lengths_keep_each_request_s_pair_and_say_what_traffic_they_hol
     rec = tmp_path / "lengths.jsonl"
     rec.write_text("".join(json.dumps({"arrival": float(t), "prompt_tokens": 10 + i % 7, "output_tokens": 3 + i % 5,
                                        "finish_reason": "stop"}) + "\n" for i, t in enumerate(arrivals))
-                   + json.dumps({"arrival": 0.0, "prompt_tokens": 9, "output_tokens": 0}) + "\n")  # no output: left out
+                   + json.dumps({"arrival": 0.0, "prompt_tokens": 9, "output_tokens": 0}) + "\n"  # no output
+                   + json.dumps({"arrival": 1.0, "prompt_tokens": 99, "output_tokens": 3, "finish_reason": "abort"})
+                   + "\n")  # stopped by its client: its length says nothing; both left out
     pairs = {(10 + i % 7, 3 + i % 5) for i in range(2000)}
     samples = lengths_dataset(str(rec), 3000, seed=1)  # more than were recorded: drawn with repeats
     assert len(samples) == 3000 and {(s.prompt_len, s.expected_output_len) for s in samples} <= pairs

@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from tests.serving import wait_until
 from tests.test_reasoning_and_tools import NO_THINKING, WEATHER, parsing_server, scripted
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -17,8 +18,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with parsing_server(tmp_path_factory.mktemp("template")) as (url, client, _):
-        yield url, client
+    with parsing_server(tmp_path_factory.mktemp("template")) as (url, client, app):
+        yield url, client, app
 
 
 def items(response) -> list[tuple]:
@@ -27,7 +28,7 @@ def items(response) -> list[tuple]:
 
 
 def test_text_and_reasoning_whole_and_streamed(server):
-    url, client = server
+    url, client, _ = server
     cut = client.responses.create(model="tiny", input="Hello", instructions="Be brief.", max_output_tokens=6,
                                   temperature=0)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
@@ -57,7 +58,7 @@ def test_text_and_reasoning_whole_and_streamed(server):
 
 
 def test_function_calls_and_a_conversation_of_items(server):
-    url, client = server
+    url, client, _ = server
     named = client.responses.create(model="tiny", input="Weather in Paris?", tools=TOOLS, max_output_tokens=60,
                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=0.8,
                                     extra_body={"seed": 3, **NO_THINKING})
@@ -104,7 +105,20 @@ def test_function_calls_and_a_conversation_of_items(server):
     ({"temperature": -1}, "temperature"),
 ])
 def test_what_a_stateless_server_does_not_do_is_a_400(server, extra, param):
-    url, _ = server
+    url, _, _ = server
     r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 2, **extra},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_client_gone_mid_stream_frees_its_request(server):
+    url, _, app = server
+    engine = app.state.engine
+    pool = engine.core.pool
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{url}/v1/responses", json={
+                "input": "Hello", "max_output_tokens": 1000, "stream": True, "ignore_eos": True}) as resp:
+            lines = resp.iter_lines()
+            assert any("response.output_text.delta" in next(lines) for _ in range(30))
+            assert engine.num_in_flight == 1
+    assert wait_until(lambda: engine.num_in_flight == 0 and pool.num_free_blocks == pool.num_blocks)

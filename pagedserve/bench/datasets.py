@@ -123,7 +123,7 @@ def replayed_lengths(path: str, num_prompts: int, speed: float = 1.0,
 
 def read_recorded_lengths(path: str) -> list[dict]:
     """The requests of a ``--record-lengths`` file that produced output: {"arrival", "prompt_tokens",
-    "output_tokens", ...} each."""
+    "output_tokens", ...} each. Aborted ones are left out: their length is where they were stopped."""
     rows = []
     for lineno, line in _lines(path):
         try:
@@ -134,7 +134,7 @@ def read_recorded_lengths(path: str) -> list[dict]:
         if not ok:
             raise ConfigError(f"--dataset-path {path}:{lineno}: expected a line of `serve --record-lengths` "
                               f"({{\"prompt_tokens\": N, \"output_tokens\": M, ...}}), got {line[:120]!r}.")
-        if row["prompt_tokens"] >= 1 and row["output_tokens"] >= 1:
+        if row["prompt_tokens"] >= 1 and row["output_tokens"] >= 1 and row.get("finish_reason") != "abort":
             rows.append(row)
     if not rows:
         raise ConfigError(f"--dataset-path {path}: no recorded request with a prompt and an output.")
