@@ -305,7 +305,6 @@ class DetokenizeRequest(_Body):
     tokens: list[StrictInt]
 
 
-
 class ResponsesRequest(_Body):
     """OpenAI's Responses API body, answered statelessly: the conversation comes whole in ``input`` (no
     ``previous_response_id``; nothing is stored). It is carried over to a chat request, so both APIs share
