@@ -28,6 +28,10 @@ def test_prompt_forms_and_order(llm):
     assert [o.outputs[0].token_ids for o in by_text] == [o.outputs[0].token_ids for o in by_ids]
     assert single[0].outputs[0].token_ids == by_text[1].outputs[0].token_ids
     assert as_dict[0].outputs[0].token_ids == by_text[2].outputs[0].token_ids
+    salted = llm.generate([{"prompt": text[0], "cache_salt": "tenant-a"}], params, use_tqdm=False)[0]
+    assert salted.prompt == text[0] and salted.outputs[0].token_ids == by_text[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        llm.generate({"prompt": "x", "prompt_token_ids": [1]}, params, use_tqdm=False)
     for o in by_text:
         assert o.finished and o.outputs[0].finish_reason == "length"
         assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)

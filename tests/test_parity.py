@@ -122,6 +122,10 @@ def test_cached_prompt_tokens_and_continuous_usage():
         cached = [client.completions.create(model="tiny", prompt=prompt, max_tokens=2).usage
                   .prompt_tokens_details.cached_tokens for _ in range(2)]
         assert cached == [0, 96]
+        # a cache salt (a tenant) shares blocks within itself only, not with unsalted or other-salted prompts
+        salted = [client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"cache_salt": s})
+                  .usage.prompt_tokens_details.cached_tokens for s in ("tenant-a", "tenant-b", "tenant-a")]
+        assert salted == [0, 0, 96]
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=2)
         assert chat.usage.prompt_tokens_details.cached_tokens == 0

@@ -244,6 +244,21 @@ def test_prefix_cache_hits_share_blocks_and_survive_the_first_request():
     assert [(s.request.request_id, s.start) for s in out.scheduled] == [("b", 11), ("c", 8)]
 
 
+def test_a_cache_salt_starts_its_own_chain():
+    pool = BlockPool(20, 4, 16)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=True)
+
+    def hits(salt: str | None) -> int:
+        req = make_request(f"r{len(sched.requests)}-{salt}", 9, 1)
+        req.cache_salt = salt
+        sched.add_request(req)
+        out = sched.schedule()
+        sched.update_from_output(out, [1] * len(out.scheduled))
+        return out.prefix_cache_hits
+
+    assert [hits(None), hits(None), hits("a"), hits("b"), hits("a"), hits(None)] == [0, 8, 0, 0, 8, 8]
+
+
 def test_a_full_prompt_hit_still_computes_its_last_token():
     pool = BlockPool(10, 4, 16)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=True)

@@ -4,7 +4,8 @@ The scheduler works only with these integers; the model runner owns the tensors 
 
 Prefix caching (vLLM V1's design): once a block is full its content is named by a chain hash
 (previous block's hash, its tokens), and a later request whose prompt starts with the same tokens
-reuses the block instead of computing it again. Blocks carry reference counts; a block nobody holds goes
+reuses the block instead of computing it again. A request's cache salt starts its chain, so requests of
+different salts (tenants) never share a block, nor can time a hit on another's prompt. Blocks carry reference counts; a block nobody holds goes
 to the tail of the free list but keeps its hash, so it can still be hit until it is reused for something
 else (least recently freed first).
 """
@@ -17,7 +18,11 @@ import numpy as np
 
 from pagedserve.engine.request import Request
 
-_ROOT = 0  # parent hash of a request's first block
+_ROOT = 0  # parent hash of a request's first block (without a cache salt)
+
+
+def _root(request: Request) -> int:
+    return _ROOT if request.cache_salt is None else hash(("cache_salt", request.cache_salt))
 
 
 class BlockPool:
@@ -66,7 +71,7 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return []
         tokens, bs = request.all_token_ids, self.block_size
-        hits, parent = [], _ROOT
+        hits, parent = [], _root(request)
         for i in range((len(tokens) - 1) // bs):
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             block = self._cached.get(key)
@@ -80,7 +85,7 @@ class BlockPool:
         """Name the request's blocks that ``num_tokens`` computed tokens fill, so others can hit them
         (only blocks whose tokens are all known: a token still in flight is named a step later)."""
         table = self._tables[request.request_id]
-        done, parent = self._hashed.get(request.request_id, (0, _ROOT))
+        done, parent = self._hashed.get(request.request_id) or (0, _root(request))
         full = min(min(num_tokens, request.num_tokens) // self.block_size, self._lens[request.request_id])
         tokens, bs = request.all_token_ids, self.block_size
         for i in range(done, full):

@@ -16,7 +16,8 @@ from pagedserve.errors import ConfigError, InvalidRequestError, RequestFailedErr
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# text, token ids, or vLLM's prompt dict: {"prompt": text} or {"prompt_token_ids": ids}, with "cache_salt"
+Prompt = str | list[int] | dict
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class InputProcessor:
         return [(first, text)] + [
             (Request(f"{request_id}-{j}", first.prompt_token_ids, params.child(j), self.eos_token_ids, first.max_tokens,
                      arrival_time=first.arrival_time, grammar=self._grammar(params, first.prompt_token_ids),
-                     priority=priority), text)
+                     priority=priority, cache_salt=first.cache_salt), text)
             for j in range(1, params.n)]
 
     def _grammar(self, params: SamplingParams, prompt_token_ids: list[int]):
@@ -128,6 +129,9 @@ class InputProcessor:
         if priority and self.config.args.scheduling_policy != "priority":
             raise InvalidRequestError("priority", "A request priority needs an engine started with "
                                                   "--scheduling-policy priority; leave priority out (or 0).")
+        salt = None
+        if isinstance(prompt, dict):
+            prompt, salt = _unpack(prompt)
         if isinstance(prompt, str):
             text, ids = prompt, self.encode(prompt)
         else:
@@ -158,7 +162,18 @@ class InputProcessor:
                                   f"Please reduce the length of the prompt or max_tokens.")
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
         return Request(request_id, ids, params, self.eos_token_ids, max_tokens, grammar=self._grammar(params, ids),
-                       priority=priority, **kwargs), text
+                       priority=priority, cache_salt=salt, **kwargs), text
+
+
+def _unpack(prompt: dict) -> tuple[str | list[int], str | None]:
+    """A prompt dict's text or token ids, and its cache salt."""
+    keys = set(prompt) - {"cache_salt"}
+    salt = prompt.get("cache_salt")
+    if keys not in ({"prompt"}, {"prompt_token_ids"}) or not (salt is None or isinstance(salt, str) and salt):
+        raise InvalidRequestError("prompt", "A prompt dict holds \"prompt\" (text) or \"prompt_token_ids\", and "
+                                            "optionally a non-empty \"cache_salt\" string; got keys "
+                                            f"{sorted(prompt)}.")
+    return prompt[keys.pop()], salt
 
 
 @dataclass

@@ -56,6 +56,7 @@ class Request:
     first_token_time: float | None = None
     num_cached_tokens: int = 0             # prompt tokens found in the prefix cache when first scheduled
     priority: int = 0                      # --scheduling-policy priority: lower values are served first
+    cache_salt: str | None = None          # prefix-cache blocks are shared only among requests of one salt
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -44,7 +44,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. A prompt is a string, a list of
-        token ids, or ``{"prompt_token_ids": [...]}``. ``priority``: one per prompt, lower first (with
+        token ids, or vLLM's dict ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``, which may carry a
+        ``"cache_salt"`` (prefix-cache blocks are shared only within one salt). ``priority``: one per
+        prompt, lower first (with
         ``scheduling_policy="priority"``)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                   and isinstance(prompts[0], int)):
@@ -52,8 +54,7 @@ class LLM:
         params = self._per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts.")
-        return self._run([p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts], params, use_tqdm,
-                         priority)
+        return self._run(prompts, params, use_tqdm, priority)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

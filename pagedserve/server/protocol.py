@@ -60,6 +60,13 @@ class _SamplingFields(_Body):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     priority: StrictInt = Field(default=0, ge=INT64[0], le=INT64[1])  # --scheduling-policy priority: lower first
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)  # prefix-cache blocks shared within a salt
+
+    def salted(self, prompt: str | list[int]) -> str | list[int] | dict:
+        """The prompt as the engine takes it: with the request's cache salt, if it has one."""
+        if self.cache_salt is None:
+            return prompt
+        return {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": self.cache_salt}
 
     def model_post_init(self, _) -> None:
         if self.model_extra:
