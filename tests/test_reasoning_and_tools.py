@@ -69,10 +69,14 @@ def test_the_prompt_says_whether_reasoning_is_under_way():
 
 
 def joined(got: list) -> tuple[str, list[tuple[str, dict]]]:
-    calls = [c for _, cs in got for c in cs]
-    assert [c["index"] for c in calls] == list(range(len(calls)))
-    return "".join(t for t, _ in got), [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                                         for c in calls]
+    """The content and the calls that (content, call entries) pieces add up to, entries joined by index."""
+    calls: dict[int, list] = {}
+    for _, entries in got:
+        for e in entries:
+            assert e["index"] in calls or e["index"] == len(calls)  # numbered in order, announced first
+            call = calls.setdefault(e["index"], [e["function"].get("name"), ""])
+            call[1] += e["function"].get("arguments", "")
+    return "".join(t for t, _ in got), [(name, json.loads(args)) for name, args in calls.values()]
 
 
 def test_hermes_calls_come_out_of_the_text_and_anything_else_stays_content():
@@ -88,10 +92,24 @@ def test_hermes_calls_come_out_of_the_text_and_anything_else_stays_content():
         # the model stopped before closing its block: a call if what it wrote parses
         ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n', "", [("get_time", {"zone": "UTC"})]),
         ('<tool_call>\n{"name": "get_time", "argu', '<tool_call>\n{"name": "get_time", "argu', []),
+        # arguments with braces, brackets and escaped quotes inside strings end where their object ends
+        ('<tool_call>{"name": "f", "arguments": {"q": "a } \\" ]", "l": [1, {"b": "}"}]}}</tool_call>', "",
+         [("f", {"q": 'a } " ]', "l": [1, {"b": "}"}]})]),
+        # arguments sent as a JSON string, and the name after them, are read once the block closes
+        ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', "", [("f", {"x": 1})]),
+        ('<tool_call>{"arguments": {"x": 2}, "name": "f"}</tool_call>', "", [("f", {"x": 2})]),
     ]
     for text, content, expected in cases:
         for step in (1, 2, 5, 13, len(text)):
             assert joined(pieces(HermesParser, text, step)) == (content, expected), (text, step)
+    # streamed: the call is announced as its arguments begin, and they arrive piece by piece before the
+    # block closes; cut short, the call keeps what it got
+    got = pieces(HermesParser, '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>', 3)
+    announced = next(i for i, (_, calls) in enumerate(got) if calls)
+    assert got[announced][1][0]["function"] == {"name": "get_time", "arguments": ""}
+    assert len([c for _, calls in got for c in calls]) > 4 and announced < len(got) - 4
+    cut = pieces(HermesParser, '<tool_call>{"name": "get_time", "arguments": {"zone": "C', 4)
+    assert "".join(c["function"].get("arguments", "") for _, calls in cut for c in calls) == '{"zone": "C'
 
 
 def test_llama3_json_calls_are_the_whole_answer_or_none_of_it():

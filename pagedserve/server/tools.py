@@ -12,6 +12,7 @@ models and grammars write them raw, and the arguments are written back out escap
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from pagedserve.reasoning import partial_tail
@@ -59,15 +60,50 @@ class ToolCallParser:
         return "" if self.calls else rest
 
 
+# how a Hermes call opens, up to its arguments' object or array: from there they can be streamed
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=[\[{])')
+
+
+class _JsonExtent:
+    """Where a JSON object or array that starts at ``pos`` of a growing text ends: strings, escapes and
+    nesting are followed a character at a time, each character once."""
+
+    def __init__(self, pos: int):
+        self.pos, self.depth, self.in_string, self.escape, self.end = pos, 0, False, False, None
+
+    def reach(self, text: str) -> int:
+        """How far the value runs in ``text`` so far (to its closing bracket once it has one)."""
+        i = self.pos
+        while self.end is None and i < len(text):
+            c = text[i]
+            if self.in_string:
+                self.escape, self.in_string = (False, True) if self.escape else (c == "\\", c != '"')
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = i + 1
+            i += 1
+        self.pos = i
+        return i if self.end is None else self.end
+
+
 class HermesParser(ToolCallParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among the text (Qwen2.5, Qwen3,
-    Hermes): each block goes out whole once it closes."""
+    Hermes). A block that opens that way is announced as its call as soon as the arguments begin, and
+    they go out as they are written (their raw JSON, to the object's closing brace); any other block is
+    judged once it closes: a call if it parses, else content."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self):
         super().__init__()
         self.buf, self.inside = "", False
+        self.args: _JsonExtent | None = None  # the open block's streamed arguments
+        self.sent = 0                          # ... sent up to here in ``buf``
 
     def _block(self, block: str, closed: bool) -> tuple[str, list[dict]]:
         try:
@@ -79,6 +115,22 @@ class HermesParser(ToolCallParser):
         except json.JSONDecodeError:
             pass
         return self.text(self.OPEN + block + (self.CLOSE if closed else "")), []
+
+    def _stream(self, upto: int) -> list[dict]:
+        """The open block's call once its head is written, then its arguments' new text up to ``upto``."""
+        calls = []
+        if self.args is None:
+            head = _HERMES_HEAD.match(self.buf, 0, upto)
+            if head is None:
+                return []
+            self.space = ""  # the blank lines before a call
+            self.args, self.sent = _JsonExtent(head.end()), head.end()
+            calls.append(self.call(json.loads(head.group(1), strict=False), ""))
+        reach = min(self.args.reach(self.buf), upto)
+        if reach > self.sent:
+            calls.append({"index": self.calls - 1, "function": {"arguments": self.buf[self.sent:reach]}})
+            self.sent = reach
+        return calls
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buf += text
@@ -95,21 +147,25 @@ class HermesParser(ToolCallParser):
                 self.buf, self.inside = self.buf[at + len(self.OPEN):], True
             at = self.buf.find(self.CLOSE)
             if at < 0:
-                return content, calls
-            c, found = self._block(self.buf[:at], closed=True)
-            content, calls = content + c, calls + found
-            self.buf, self.inside = self.buf[at + len(self.CLOSE):], False
+                return content, calls + self._stream(len(self.buf) - partial_tail(self.buf, self.CLOSE))
+            if self.args is not None or _HERMES_HEAD.match(self.buf, 0, at):
+                calls += self._stream(at)
+            else:
+                c, found = self._block(self.buf[:at], closed=True)
+                content, calls = content + c, calls + found
+            self.buf, self.inside, self.args = self.buf[at + len(self.CLOSE):], False, None
 
     def finish(self) -> tuple[str, list[dict]]:
-        """A block the output left open (cut by max_tokens, or the model stopped before closing it) is a
-        call if what it holds parses, else content."""
+        """A block the output left open (cut by max_tokens, or the model stopped before closing it): a
+        streamed call keeps the arguments it got; another is a call if what it holds parses, else content."""
         content, calls = "", []
-        if self.inside:
+        if self.inside and (self.args is not None or _HERMES_HEAD.match(self.buf)):
+            calls = self._stream(len(self.buf))
+        elif self.inside:
             content, calls = self._block(self.buf, closed=False)
-            self.inside = False
         else:
             content = self.text(self.buf)
-        self.buf = ""
+        self.buf, self.inside, self.args = "", False, None
         return content + self.rest(), calls
 
 
