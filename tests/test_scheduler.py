@@ -87,6 +87,8 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
             for queue in (list(sched.waiting), sched.running):
                 keys = [(r.priority, r.arrival_time) for r in queue]
                 assert keys == sorted(keys)
+        # the backlog the mixed-step bound reads is kept as requests change, never recomputed: check it is
+        assert sched.prefilling == {r for r in sched.running if r.num_tokens_with_pending - r.num_computed_tokens > 1}
         held = mixed and chunked and sched._holds_prompts_down()
         out = sched.schedule()
         assert out.total_tokens <= budget

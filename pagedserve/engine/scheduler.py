@@ -85,6 +85,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # the running requests with prompt tokens (or a recompute) still to schedule, kept as they change,
+        # so the mixed-step bound reads the prompt backlog without a pass over every running request
+        self.prefilling: set[Request] = set()
 
     def set_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """New step limits from the next step on (the engine core validates them). Running requests are
@@ -114,6 +117,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+                self.prefilling.discard(req)
             else:
                 self.waiting.remove(req)
             req.status = status
@@ -201,16 +205,12 @@ class Scheduler:
         and the prompt tokens that could start now (prefills under way, and the waiting requests there are
         seats for) would go through within ``BOUND_STEPS`` steps under the bound. A larger backlog (a burst)
         lifts it: then the waiting prompts' TTFT counts for more than the running streams' ITL."""
-        backlog, decoding = 0, False
-        for r in self.running:
-            left = r.num_tokens_with_pending - r.num_computed_tokens
-            if left > 1:
-                backlog += left
-            else:
-                decoding = True
+        if len(self.running) == len(self.prefilling):  # nothing decodes
+            return False
+        backlog = sum(r.num_tokens_with_pending - r.num_computed_tokens for r in self.prefilling)
         seats = max(0, self.max_num_seqs - len(self.running))
         backlog += sum(r.num_tokens for r in islice(self.waiting, seats))
-        return decoding and backlog <= self.BOUND_STEPS * self.max_mixed_prefill_tokens
+        return backlog <= self.BOUND_STEPS * self.max_mixed_prefill_tokens
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
         start = req.num_computed_tokens
@@ -229,8 +229,13 @@ class Scheduler:
             out.num_prefill_tokens += n
         # advanced at schedule time, so a chunk's successor can be scheduled in the very next step
         req.num_computed_tokens += n
+        if req.num_tokens_with_pending - req.num_computed_tokens > 1:
+            self.prefilling.add(req)
+        else:
+            self.prefilling.discard(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.prefilling.discard(req)
         self.pool.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -266,6 +271,7 @@ class Scheduler:
                 if was_waiting:
                     self.waiting.remove(req)
                 else:
+                    self.prefilling.discard(req)
                     any_finished = True
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
