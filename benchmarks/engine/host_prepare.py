@@ -1,6 +1,7 @@
 """Host time of a step, which must stay below the GPU's for the one step in flight to hide it: turning a
-decode step into arrays (the engine's StepBuilder), then every phase of whole engine steps at 512 running
-requests (scheduling, inputs and sampling parameters, the update, the frontend).
+decode step into arrays (the engine's StepBuilder), the mixed-step bound's check of the prompt backlog
+(``serve``'s default bound), then every phase of whole engine steps at 512 running requests (scheduling,
+inputs and sampling parameters, the update, the frontend).
 
 python -m benchmarks.engine.host_prepare   (CPU is enough: it times Python and numpy only)
 """
@@ -24,7 +25,7 @@ def main() -> None:
     builder = StepBuilder(block_size=16, vocab_size=512, seed=0)
     for n in (1, 64, 256):
         pool = BlockPool(40000, 16, 128, enable_prefix_caching=False)
-        sched = Scheduler(pool, 256, 65536, 2048, True)
+        sched = Scheduler(pool, 256, 65536, 2048, True, max_mixed_prefill_tokens=256)
         for i in range(n):  # prompts of 1199 tokens: 75 blocks each
             sched.add_request(Request(str(i), list(range(1, 1200)), SamplingParams(max_tokens=500, ignore_eos=True),
                                       (), 500))
@@ -36,7 +37,13 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(200):
             builder.build(out, pool)
-        print(f"{n:4d} decodes at context ~1200: step arrays {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms per step")
+        arrays = (time.perf_counter() - t0) / 200
+        t0 = time.perf_counter()
+        for _ in range(200):
+            sched._holds_prompts_down()
+        bound = (time.perf_counter() - t0) / 200
+        print(f"{n:4d} decodes at context ~1200: step arrays {arrays * 1e3:.3f} ms, the bound's backlog check "
+              f"{bound * 1e6:.1f} us per step")
 
 
 def engine_steps(n: int = 512, steps: int = 100) -> None:
