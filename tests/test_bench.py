@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import openai
@@ -122,6 +123,14 @@ def test_recorded_lengths_keep_each_request_s_pair_and_say_what_traffic_they_hol
     rate = float(text.split(": ")[1].split(" req/s")[0])
     burstiness = float(text.split("burstiness ")[1].split(" ")[0])
     assert text.startswith("2,000 recorded requests") and 1.8 < rate < 2.2 and 0.8 < burstiness < 1.25
+    # requests that took the same number of prompt tokens from the prefix cache share a prefix that long
+    shared = tmp_path / "shared.jsonl"
+    shared.write_text("".join(json.dumps({"prompt_tokens": 40, "cached_tokens": c, "output_tokens": 2}) + "\n"
+                              for c in (32, 32, 16, 0, 0)))
+    drawn = lengths_dataset(str(shared), 5, seed=3)  # as many as were recorded: each row once
+    assert all(s.prompt_len == 40 for s in drawn)
+    common = sorted(len(os.path.commonprefix([x.prompt, y.prompt])) for i, x in enumerate(drawn) for y in drawn[i + 1:])
+    assert common.count(32) == 1 and max(common) == 32  # the two rows of 32 share 32 tokens; no pair more
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt_tokens": 5, "output_tokens": 2}) + "\n{\"prompt\": \"hi\"}\n")
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: expected a line of `serve --record-lengths`"):
@@ -143,6 +152,8 @@ def test_a_server_records_its_traffic_and_bench_replays_its_shape(tmp_path, caps
         lines = [json.loads(line) for line in recorded.read_text().splitlines()]
         assert [(r["prompt_tokens"], r["output_tokens"]) for r in lines] == \
             [(u.prompt_tokens, u.completion_tokens) for u in made]
+        # the 25-token prompt shares its first 25 with the 40-token one: one full block came from the cache
+        assert [r["cached_tokens"] for r in lines] == [0, 0, 16, 0] and all(r["finish_reason"] for r in lines)
         main(["bench", "serve", "--base-url", url, "--dataset-name", "lengths", "--dataset-path", str(recorded),
               "--num-prompts", "8", "--disable-tqdm", "--num-warmups", "0", "--result-dir", str(tmp_path),
               "--result-filename", "replay.json"])

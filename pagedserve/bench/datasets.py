@@ -62,7 +62,7 @@ def random_dataset(num_prompts: int, input_len: int, output_len: int, range_rati
     prefix = allowed[rng.integers(0, len(allowed), size=prefix_len)].tolist()
     in_lens = _lengths(rng, input_len, range_ratio, num_prompts, 1)
     out_lens = _lengths(rng, output_len, range_ratio, num_prompts, 1)
-    return _random_prompts(rng, allowed, prefix, in_lens, out_lens, tokenizer)
+    return _random_prompts(rng, allowed, [prefix] * num_prompts, in_lens, out_lens, tokenizer)
 
 
 def _allowed_ids(tokenizer) -> np.ndarray:
@@ -73,13 +73,14 @@ def _allowed_ids(tokenizer) -> np.ndarray:
     return np.array([i for i in range(len(tokenizer)) if i not in special])
 
 
-def _random_prompts(rng: np.random.Generator, allowed: np.ndarray, prefix: list[int], in_lens, out_lens,
+def _random_prompts(rng: np.random.Generator, allowed: np.ndarray, prefixes: list[list[int]], in_lens, out_lens,
                     tokenizer) -> list[SampleRequest]:
-    """Prompts of random tokens of the given lengths. With a tokenizer they are decoded to text (and
-    re-encoded to keep the length exact where the tokenizer allows); without one they are token ids."""
+    """Prompts of each one's prefix and then random tokens of the given lengths. With a tokenizer they are
+    decoded to text (and re-encoded to keep the length exact where the tokenizer allows); without one
+    they are token ids."""
     offsets = rng.integers(0, len(allowed), size=len(in_lens))
     samples = []
-    for n, out, off in zip(in_lens, out_lens, offsets):
+    for prefix, n, out, off in zip(prefixes, in_lens, out_lens, offsets):
         ids = prefix + allowed[(off + np.arange(n)) % len(allowed)].tolist()
         if tokenizer is None:
             samples.append(SampleRequest(ids, len(ids), int(out)))
@@ -92,14 +93,28 @@ def _random_prompts(rng: np.random.Generator, allowed: np.ndarray, prefix: list[
 
 
 def lengths_dataset(path: str, num_prompts: int, seed: int = 0, tokenizer=None) -> list[SampleRequest]:
-    """Prompts of random tokens with the (prompt, output) lengths of requests a server recorded
-    (``--record-lengths``), drawn at random from them (with repeats when asked for more than were
-    recorded), so each keeps its own pair."""
-    pairs = [(r["prompt_tokens"], r["output_tokens"]) for r in read_recorded_lengths(path)]
+    """Prompts of random tokens with the lengths of requests a server recorded (``--record-lengths``),
+    drawn at random from them (with repeats when asked for more than were recorded)."""
+    rows = read_recorded_lengths(path)
     rng = np.random.default_rng(seed)
-    picked = rng.choice(len(pairs), size=num_prompts, replace=num_prompts > len(pairs))
-    in_lens, out_lens = zip(*(pairs[i] for i in picked)) if num_prompts else ((), ())
-    return _random_prompts(rng, _allowed_ids(tokenizer), [], in_lens, out_lens, tokenizer)
+    picked = rng.choice(len(rows), size=num_prompts, replace=num_prompts > len(rows))
+    return _recorded_prompts(rng, [rows[i] for i in picked], tokenizer)
+
+
+def _recorded_prompts(rng: np.random.Generator, rows: list[dict], tokenizer) -> list[SampleRequest]:
+    """Each recorded request as a prompt of its length that runs to its output length. Requests recorded
+    with the same number of prompt tokens from the prefix cache share a random prefix of that length (most
+    likely they shared a system prompt), so a replay hits the cache about as the traffic did."""
+    allowed = _allowed_ids(tokenizer)
+    shared: dict[int, list[int]] = {}
+    prefixes, in_lens = [], []
+    for r in rows:
+        cached = min(r.get("cached_tokens") or 0, r["prompt_tokens"] - 1)
+        if cached > 0 and cached not in shared:
+            shared[cached] = allowed[rng.integers(0, len(allowed), size=cached)].tolist()
+        prefixes.append(shared.get(cached, []))
+        in_lens.append(r["prompt_tokens"] - len(prefixes[-1]))
+    return _random_prompts(rng, allowed, prefixes, in_lens, [r["output_tokens"] for r in rows], tokenizer)
 
 
 def replayed_lengths(path: str, num_prompts: int, speed: float = 1.0,
@@ -116,8 +131,7 @@ def replayed_lengths(path: str, num_prompts: int, speed: float = 1.0,
         raise ConfigError(f"--num-prompts {num_prompts}: {path} holds {len(rows)} requests to replay; ask for "
                           f"at most that many.")
     rows = sorted(rows, key=lambda r: r["arrival"])[:num_prompts]
-    samples = _random_prompts(np.random.default_rng(0), _allowed_ids(tokenizer), [],
-                              [r["prompt_tokens"] for r in rows], [r["output_tokens"] for r in rows], tokenizer)
+    samples = _recorded_prompts(np.random.default_rng(0), rows, tokenizer)
     return samples, [(r["arrival"] - rows[0]["arrival"]) / speed for r in rows]
 
 

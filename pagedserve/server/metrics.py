@@ -171,8 +171,8 @@ class _EngineCollector:
 
 class LengthRecorder:
     """``--record-lengths FILE``: a JSON line for each request that ran to its end (arrival time, prompt
-    and output tokens, why it ended): the shape of the traffic without its text, which `bench
-    --dataset-name lengths` replays."""
+    tokens and how many of them the prefix cache gave, output tokens, why it ended): the shape of the
+    traffic without its text, which `bench --dataset-name lengths` replays."""
 
     def __init__(self, path: str):
         try:
@@ -183,7 +183,7 @@ class LengthRecorder:
     def record(self, res: RequestOutput, output_tokens: int) -> None:
         arrival = time.time() - (time.monotonic() - res.metrics.arrival_time)
         self.file.write(json.dumps({"arrival": round(arrival, 4), "prompt_tokens": len(res.prompt_token_ids),
-                                    "output_tokens": output_tokens,
+                                    "cached_tokens": res.num_cached_tokens, "output_tokens": output_tokens,
                                     "finish_reason": res.outputs[0].finish_reason}) + "\n")
 
     def close(self) -> None:
