@@ -64,6 +64,18 @@ def test_stop_token_ids_and_stop_strings(llm):
     o = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                      stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert o.token_ids == ids[:first + 1] and o.finish_reason == "stop" and o.stop_reason == stop_id
+    tok = llm.get_tokenizer()
+    assert o.text == tok.decode(ids[:first], skip_special_tokens=True)  # the stop token's text is left out ...
+    o = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                     stop_token_ids=[stop_id], include_stop_str_in_output=True),
+                     use_tqdm=False)[0].outputs[0]
+    assert o.text == tok.decode(ids[:first + 1], skip_special_tokens=True)  # ... unless asked for
+    eos = tok.eos_token_id  # so is the end-of-sequence token's, also when special tokens are kept
+    for keep, want in ((False, ""), (True, tok.eos_token)):
+        o = llm.generate(["Hello world"], SamplingParams(max_tokens=5, skip_special_tokens=False,
+                                                         logit_bias={eos: 100}, include_stop_str_in_output=keep),
+                         use_tqdm=False)[0].outputs[0]
+        assert o.token_ids == [eos] and o.text == want and o.finish_reason == "stop"
     stop_str = text[6:9]
     cut = text.find(stop_str)
     o = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop_str]),

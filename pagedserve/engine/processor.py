@@ -194,6 +194,7 @@ class _State:
     sent_text: int = 0     # DELTA: chars and tokens already handed out
     sent_tokens: int = 0
     sent_prompt_logprobs: bool = False  # DELTA: they go out once, with the first token
+    silent_last: bool = False  # the last token stopped the request: in token_ids, not in the text
 
 
 class OutputProcessor:
@@ -251,6 +252,10 @@ class OutputProcessor:
             st.prompt_logprobs.extend(self._entry(*score) for score in out.prompt_scores)
         if out.token_id is None and out.finish_reason is None:  # prompt scores alone: nothing to hand out yet
             return
+        # a stop token (EOS, a stop_token_ids entry) that ends the request stays in token_ids and logprobs
+        # but not in the text, unless include_stop_str_in_output (vLLM's rule)
+        st.silent_last = (out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+                          and not st.request.sampling_params.include_stop_str_in_output)
         if out.token_id is not None and self._append_token(st, out, now) and out.finish_reason is None:
             to_abort.append(out.request_id)
         if st.finish_reason is None:
@@ -277,7 +282,7 @@ class OutputProcessor:
         if st.logprobs is not None:
             st.cumulative_logprob += out.logprobs[0]
             st.logprobs.append(self._entry(out.logprobs, out.logprob_ids, out.rank))
-        if st.stream is None:
+        if st.stream is None or st.silent_last:
             return False
         piece = st.stream.step(self.tokenizer.backend_tokenizer, out.token_id)
         if not piece:
@@ -308,7 +313,8 @@ class OutputProcessor:
         """At the end, emit what the stream held back (bytes of an unfinished UTF-8 character)."""
         if st.stream is None or isinstance(st.stop_reason, str):
             return
-        full = self.tokenizer.decode(st.token_ids, skip_special_tokens=st.request.sampling_params.skip_special_tokens)
+        ids = st.token_ids[:-1] if st.silent_last else st.token_ids
+        full = self.tokenizer.decode(ids, skip_special_tokens=st.request.sampling_params.skip_special_tokens)
         if len(full) > len(st.text) and full.startswith(st.text):
             st.text = full
 
