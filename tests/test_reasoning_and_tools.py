@@ -16,7 +16,7 @@ import pytest
 from pagedserve.cli import main
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.reasoning import ReasoningSplitter, prompt_state
-from pagedserve.server.tools import HermesParser, Llama3JsonParser, RequiredCallsParser
+from pagedserve.server.tools import HermesParser, Llama3JsonParser, MistralParser, RequiredCallsParser
 from tests.serving import running_server
 
 ENGINE = ("--kv-cache-memory", "16MiB", "--max-model-len", "1024")
@@ -124,6 +124,20 @@ def test_llama3_json_calls_are_the_whole_answer_or_none_of_it():
     for text, content, expected in cases:
         for step in (1, 3, len(text)):
             assert joined(pieces(Llama3JsonParser, text, step)) == (content, expected), (text, step)
+
+
+def test_mistral_calls_in_both_of_its_formats():
+    cases = [
+        ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": '
+         '{"city": "Oslo"}}]', "", [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo"})]),
+        ('Checking.[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
+         "Checking.", [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Rome"})]),
+        ("No calls [TOOL here.", "No calls [TOOL here.", []),
+        ("[TOOL_CALLS]get_time[ARGS]{broken", "[TOOL_CALLS]get_time[ARGS]{broken", []),
+    ]
+    for text, content, expected in cases:
+        for step in (1, 3, 7, len(text)):
+            assert joined(pieces(MistralParser, text, step)) == (content, expected), (text, step)
 
 
 def test_required_calls_cut_short_are_returned_as_text():
@@ -298,6 +312,24 @@ def test_bad_tool_requests_get_400_naming_the_field(server, extra, param, fragme
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **extra}, timeout=30)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"].startswith(param) and fragment in error["message"], r.text
+
+
+def test_mistral_calls_through_a_server_that_keeps_their_special_tokens():
+    """Mistral's call markers are special tokens: requests that may call tools keep special tokens in
+    their text (here the tiny model's <|im_start|>, forced by a logit bias), the others do not."""
+    flags = (*ENGINE, "--enable-auto-tool-choice", "--tool-call-parser", "mistral")
+    with running_server(*flags) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        call = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+        answer = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=60,
+                                                temperature=0, extra_body=scripted(call)).choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == \
+            [("get_weather", {"city": "Oslo"})]
+        forced = {"logit_bias": {"1": 100}, "max_tokens": 1}  # token 1: <|im_start|>
+        with_tools = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], **forced)
+        without = client.chat.completions.create(model="tiny", messages=USER, **forced)
+        assert with_tools.choices[0].message.content == "<|im_start|>" and without.choices[0].message.content == ""
 
 
 def test_auto_tool_choice_needs_the_server_flags(capsys):

@@ -39,6 +39,8 @@ class ToolCallParser:
     """Base: numbers the calls, gives them ids, and holds the content's trailing whitespace (the blank
     lines a model writes around its calls are not an answer)."""
 
+    keeps_special_tokens = False  # True: the format's markers are special tokens, which the text must keep
+
     def __init__(self):
         self.calls = 0
         self.space = ""
@@ -256,4 +258,50 @@ class RequiredCallsParser(ToolCallParser):
             return held, []
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class MistralParser(ToolCallParser):
+    """Mistral's calls, after its ``[TOOL_CALLS]`` marker: a JSON list of {"name", "arguments"} (v3
+    tokenizers: Mistral-7B-Instruct-v0.3, Nemo, Small) or ``name[ARGS]{...}`` per call (v11 and later).
+    The markers are special tokens, so these requests keep special tokens in their text. Text before the
+    first marker streams as content; from it on, the answer is held to its end and parsed whole."""
+
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    keeps_special_tokens = True
+
+    def __init__(self):
+        super().__init__()
+        self.buf, self.calling = "", False
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.buf += text
+        if self.calling:
+            return "", []
+        at = self.buf.find(self.TAG)
+        if at >= 0:
+            content, self.buf, self.calling = self.text(self.buf[:at]), self.buf[at:], True
+            return content, []
+        keep = partial_tail(self.buf, self.TAG)
+        content, self.buf = self.text(self.buf[:len(self.buf) - keep]), self.buf[len(self.buf) - keep:]
+        return content, []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        held, self.buf = self.buf, ""
+        if not self.calling:
+            return self.text(held) + self.rest(), []
+        found = []
+        try:
+            for part in held.split(self.TAG)[1:]:
+                if self.ARGS in part:
+                    name, args = (s.strip() for s in part.split(self.ARGS, 1))
+                    json.loads(args, strict=False)  # the arguments must be JSON; they go out as written
+                    found.append((name, args))
+                    continue
+                listed = json.loads(part, strict=False)
+                for item in listed if isinstance(listed, list) else [listed]:
+                    found.append((item["name"], _arguments(item.get("arguments", {}))))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return self.text(held) + self.rest(), []
+        self.space = ""
+        return "", [self.call(name, args) for name, args in found]
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}

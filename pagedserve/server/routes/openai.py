@@ -71,6 +71,8 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState,
                                                  "--enable-auto-tool-choice and --tool-call-parser; or send "
                                                  "tool_choice \"required\", a named function or \"none\".")
     params = body.sampling_params(state.engine.config.generation.sampling)
+    if mode == "auto" and TOOL_CALL_PARSERS[settings.tool_call_parser].keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)  # the call markers are special tokens
     messages = [m.as_dict() for m in body.messages]
     template_args = body.template_args(settings.trust_request_chat_template, settings.tools_when_none)
     state.admission.check_room(params.n)
