@@ -215,18 +215,21 @@ def test_bench_serve_end_to_end_respects_max_concurrency(tmp_path):
     assert result["server_peak_num_requests_running"] <= 3
 
 
-def test_bench_serve_on_the_chat_route_times_the_first_token(tmp_path):
-    """Through /v1/chat/completions a client's TTFT can be no shorter than the server's own (arrival to
-    first token): the first chunk it times carries the first token, not just the role."""
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/responses"])
+def test_bench_serve_on_the_chat_and_responses_routes_times_the_first_token(tmp_path, endpoint):
+    """Through the chat and Responses APIs a client's TTFT can be no shorter than the server's own
+    (arrival to first token): the first chunk it times carries the first token, not just the role (chat)
+    or the response's creation (Responses)."""
     flags = ("--kv-cache-memory", "16MiB", "--max-model-len", "512")
     with running_server(*flags) as (url, _):
-        main(["bench", "serve", "--base-url", url, "--model", "tiny", "--endpoint", "/v1/chat/completions",
+        main(["bench", "serve", "--base-url", url, "--model", "tiny", "--endpoint", endpoint,
               "--random-input-len", "200", "--random-output-len", "8", "--num-prompts", "12",
               "--max-concurrency", "4", "--disable-tqdm", "--num-warmups", "0", "--result-dir", str(tmp_path),
               "--result-filename", "c.json"])
         server = metric_values(url)
     result = json.loads((tmp_path / "c.json").read_text())
     assert result["completed"] == 12 and result["total_output_tokens"] == 12 * 8
+    assert result["backend"] == {"/v1/chat/completions": "openai-chat", "/v1/responses": "openai-responses"}[endpoint]
     server_ttft = server["vllm:time_to_first_token_seconds_sum"] / server["vllm:time_to_first_token_seconds_count"]
     assert result["mean_ttft_ms"] >= 1e3 * server_ttft
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from pagedserve.errors import ConfigError
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the APIs bench serve and sweep drive
+
 
 def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: bool = True) -> None:
     """Dataset flags; ``client``: also --seed and --tokenizer (bench throughput has the engine's);
@@ -195,7 +197,7 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
     """The workload, the ladder and the knee: flags `bench sweep` and `tune` share (``client``: the sweep's
     own --seed and --tokenizer; tune has the engine's)."""
     p.add_argument("--server-start-timeout", type=float, default=900.0, help="Seconds to wait for /health.")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
     _add_dataset_args(p, client=client, num_prompts=False)
     lad = p.add_argument_group("ladder")
     lad.add_argument("--concurrency", default=None,
@@ -258,7 +260,7 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port).")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    s.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
     s.add_argument("--model", default=None, help="Model name sent in requests (default: the server's first).")
     s.add_argument("--api-key", default=None)
     _add_dataset_args(s, client=True)

@@ -56,22 +56,62 @@ def arrival_delays(n: int, rate: float, burstiness: float, seed: int) -> np.ndar
     return offsets * (n / rate) / offsets[-1]
 
 
+def _backend(endpoint: str) -> str:
+    """vLLM bench's name for the API of ``endpoint``."""
+    return ("openai-responses" if endpoint.endswith("/responses") else
+            "openai-chat" if endpoint.endswith("chat/completions") else "openai")
+
+
 def replayed_rate(offsets: list[float]) -> float | str:
     """The mean rate a replayed recording sent at (its gaps' count over their span)."""
     return (len(offsets) - 1) / offsets[-1] if offsets[-1] > 0 else "inf"
 
 
-async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, sample: SampleRequest,
-                       t0: float) -> RequestResult:
-    """Stream one request and time every chunk (vLLM's completions/chat request functions)."""
-    chat = cfg.endpoint.endswith("/chat/completions")
+# the Responses events that carry generated tokens (TTFT at the first, ITL between them)
+RESPONSES_TOKEN_EVENTS = ("response.output_text.delta", "response.reasoning_text.delta",
+                          "response.function_call_arguments.delta", "response.refusal.delta")
+
+
+def request_body(cfg: BenchConfig, sample: SampleRequest) -> dict:
+    """One streamed request of ``sample`` to ``cfg.endpoint``, greedy, run to its output length."""
+    text = sample.prompt if isinstance(sample.prompt, str) else " ".join(map(str, sample.prompt))
+    if cfg.endpoint.endswith("/responses"):
+        return {"model": cfg.model, "input": text, "max_output_tokens": sample.expected_output_len,
+                "temperature": 0.0, "stream": True, "ignore_eos": cfg.ignore_eos}
     body = {"model": cfg.model, "max_tokens": sample.expected_output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos}
-    if chat:
-        text = sample.prompt if isinstance(sample.prompt, str) else " ".join(map(str, sample.prompt))
+    if cfg.endpoint.endswith("/chat/completions"):
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = sample.prompt
+    return body
+
+
+def read_event(endpoint: str, chunk: dict) -> tuple[str | None, dict | None, str | None]:
+    """(the text of a token the event carries, or None if it carries none; the usage it reports, as
+    {"prompt_tokens", "completion_tokens"}; an error) of one streamed event of ``endpoint``."""
+    if endpoint.endswith("/responses"):
+        kind = chunk.get("type")
+        if kind in ("error", "response.failed"):
+            return None, None, chunk.get("message") or str(chunk.get("response", {}).get("error"))
+        if kind in ("response.completed", "response.incomplete"):
+            u = chunk["response"].get("usage") or {}
+            return None, {"prompt_tokens": u.get("input_tokens"), "completion_tokens": u.get("output_tokens")}, None
+        token = chunk.get("delta") if kind in RESPONSES_TOKEN_EVENTS else None
+        return (token if kind == "response.output_text.delta" else "" if token is not None else None), None, None
+    if "error" in chunk:
+        return None, None, chunk["error"].get("message", str(chunk["error"]))
+    choices = chunk.get("choices")
+    if not choices:
+        return None, chunk.get("usage"), None
+    c = choices[0]
+    return ((c.get("delta") or {}).get("content") or "" if "delta" in c else c.get("text") or ""), chunk.get("usage"), None
+
+
+async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, sample: SampleRequest,
+                       t0: float) -> RequestResult:
+    """Stream one request and time every chunk that carries a token (vLLM's request functions)."""
+    body = request_body(cfg, sample)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     res = RequestResult(prompt_len=sample.prompt_len)
     st = time.perf_counter()
@@ -91,15 +131,15 @@ async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, sample:
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = chunk["error"].get("message", str(chunk["error"]))
+                token, usage, error = read_event(cfg.endpoint, json.loads(data))
+                if error is not None:
+                    res.error = error
                     return res
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
+                if usage:
+                    usage_tokens = usage.get("completion_tokens")
                     if usage_tokens is not None and sample.prompt_len == 0:
-                        res.prompt_len = chunk["usage"].get("prompt_tokens", 0)
-                if not chunk.get("choices"):
+                        res.prompt_len = usage.get("prompt_tokens") or 0
+                if token is None:
                     continue
                 now = time.perf_counter()
                 if not res.ttft:
@@ -107,8 +147,7 @@ async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, sample:
                 else:
                     res.itl.append(now - last)
                 last = now
-                c = chunk["choices"][0]
-                pieces.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text") or "")
+                pieces.append(token)
         if not res.ttft:
             res.error = "Never received a valid chunk to calculate TTFT."
             return res
@@ -259,8 +298,8 @@ async def run_benchmark(cfg: BenchConfig, samples: list[SampleRequest], percenti
         await scraper.scrape()
     out = {
         "date": time.strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai-chat" if cfg.endpoint.endswith("chat/completions") else "openai",
-        "endpoint_type": "openai-chat" if cfg.endpoint.endswith("chat/completions") else "openai",
+        "backend": _backend(cfg.endpoint),
+        "endpoint_type": _backend(cfg.endpoint),
         "model_id": cfg.model,
         "num_prompts": len(samples),
         "request_rate": replayed_rate(cfg.arrivals) if cfg.arrivals else
