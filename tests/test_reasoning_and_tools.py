@@ -98,6 +98,8 @@ def test_hermes_calls_come_out_of_the_text_and_anything_else_stays_content():
         # arguments sent as a JSON string, and the name after them, are read once the block closes
         ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', "", [("f", {"x": 1})]),
         ('<tool_call>{"arguments": {"x": 2}, "name": "f"}</tool_call>', "", [("f", {"x": 2})]),
+        # a head longer than the parser looks for (HEAD_LIMIT) is judged whole too
+        ('<tool_call>{"name": "' + "n" * 600 + '", "arguments": {"x": 3}}</tool_call>', "", [("n" * 600, {"x": 3})]),
     ]
     for text, content, expected in cases:
         for step in (1, 2, 5, 13, len(text)):

@@ -62,8 +62,11 @@ class ToolCallParser:
         return "" if self.calls else rest
 
 
-# how a Hermes call opens, up to its arguments' object or array: from there they can be streamed
+# how a Hermes call opens, up to its arguments' object or array: from there they can be streamed; a block
+# whose first HEAD_LIMIT characters hold no such head is judged whole at its end (the search is not
+# repeated over an ever longer text, token after token)
 _HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=[\[{])')
+HEAD_LIMIT = 512
 
 
 class _JsonExtent:
@@ -122,7 +125,7 @@ class HermesParser(ToolCallParser):
         """The open block's call once its head is written, then its arguments' new text up to ``upto``."""
         calls = []
         if self.args is None:
-            head = _HERMES_HEAD.match(self.buf, 0, upto)
+            head = _HERMES_HEAD.match(self.buf, 0, min(upto, HEAD_LIMIT))
             if head is None:
                 return []
             self.space = ""  # the blank lines before a call
@@ -150,7 +153,7 @@ class HermesParser(ToolCallParser):
             at = self.buf.find(self.CLOSE)
             if at < 0:
                 return content, calls + self._stream(len(self.buf) - partial_tail(self.buf, self.CLOSE))
-            if self.args is not None or _HERMES_HEAD.match(self.buf, 0, at):
+            if self.args is not None or _HERMES_HEAD.match(self.buf, 0, min(at, HEAD_LIMIT)):
                 calls += self._stream(at)
             else:
                 c, found = self._block(self.buf[:at], closed=True)
@@ -161,7 +164,7 @@ class HermesParser(ToolCallParser):
         """A block the output left open (cut by max_tokens, or the model stopped before closing it): a
         streamed call keeps the arguments it got; another is a call if what it holds parses, else content."""
         content, calls = "", []
-        if self.inside and (self.args is not None or _HERMES_HEAD.match(self.buf)):
+        if self.inside and (self.args is not None or _HERMES_HEAD.match(self.buf, 0, HEAD_LIMIT)):
             calls = self._stream(len(self.buf))
         elif self.inside:
             content, calls = self._block(self.buf, closed=False)
