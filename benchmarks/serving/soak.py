@@ -1,7 +1,7 @@
 """A long soak and an overload against a real server: does anything leak, hang or fail over many requests
 with clients that misbehave, and does 10x the capacity shed cleanly?
 
-Phase 1: --requests requests at --concurrency, completions and chat, streamed and not; every tenth stream
+Phase 1: --requests requests at --concurrency, completions, chat and Responses, streamed and not; every tenth stream
 is cut by its client after a few chunks, every twentieth non-streaming request gives up after 50 ms.
 Afterwards the server must hold nothing: no request running, waiting or in flight, no KV block in use.
 Resident memory is sampled throughout (it should level off, not climb).
@@ -38,14 +38,17 @@ async def gauges(session: aiohttp.ClientSession, url: str) -> dict:
 
 
 async def one(session: aiohttp.ClientSession, url: str, i: int, rng: random.Random) -> tuple[str, float]:
-    chat, stream = rng.random() < 0.3, rng.random() < 0.5
+    api, stream = rng.choices(["completions", "chat", "responses"], [5, 3, 2])[0], rng.random() < 0.5
     prompt_len, max_tokens = rng.randint(4, 200), rng.randint(1, 64)
+    words = " ".join(f"w{rng.randint(0, 99)}" for _ in range(prompt_len))
     body = {"max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
-    if chat:
-        body["messages"] = [{"role": "user", "content": " ".join(f"w{rng.randint(0, 99)}" for _ in range(prompt_len))}]
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": words}]
+    elif api == "responses":
+        body = {"input": words, "max_output_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     else:
         body["prompt"] = [rng.randint(3, 255) for _ in range(prompt_len)]
-    path = "/v1/chat/completions" if chat else "/v1/completions"
+    path = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}[api]
     t0 = time.perf_counter()
     try:
         if stream:
