@@ -75,6 +75,17 @@ def test_function_calls_and_a_conversation_of_items(server):
                                        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
                                        '\n</tool_call>'))
     assert items(auto) == [("function_call", ("get_weather", '{"city": "Oslo"}'))]
+    # reasoning, then a sentence, then a call: three items in that order, streamed as the SDK rebuilds them
+    mixed = dict(model="tiny", input="Weather?", tools=TOOLS, max_output_tokens=120, temperature=0,
+                 extra_body=scripted('<think>Need data.</think>Checking.<tool_call>{"name": "get_weather", '
+                                     '"arguments": {"city": "Rome"}}</tool_call>'))
+    expected = [("reasoning", "Need data."), ("message", "Checking."),
+                ("function_call", ("get_weather", '{"city": "Rome"}'))]
+    assert items(client.responses.create(**mixed)) == expected
+    with client.responses.stream(**mixed) as s:
+        for _ in s:
+            pass
+        assert items(s.get_final_response()) == expected
     # the call and its result go back as input items; the template renders them as the chat API would
     done = auto.output[0]
     conversation = [{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
