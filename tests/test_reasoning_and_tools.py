@@ -296,6 +296,13 @@ def test_tools_reach_the_template_and_tokenize(server):
     tokens = httpx.post(f"{url}/tokenize", json={"messages": conversation, "tools": [WEATHER]}).json()["tokens"]
     text = httpx.post(f"{url}/detokenize", json={"tokens": tokens}).json()["prompt"]
     assert "Tools: get_weather" in text and '"arguments": {"city": "Paris"}}</tool_call>' in text
+    # rendered as a chat request would be: the generation prompt (on by default), template kwargs
+    def count(**extra) -> int:
+        return httpx.post(f"{url}/tokenize", json={"messages": USER, **extra}).json()["count"]
+    assert count() > count(add_generation_prompt=False)
+    assert count(chat_template_kwargs={"open_think": True}) > count()
+    strs = httpx.post(f"{url}/tokenize", json={"prompt": "Hi there", "return_token_strs": True}).json()
+    assert len(strs["token_strs"]) == strs["count"] and all(isinstance(t, str) for t in strs["token_strs"])
 
 
 @pytest.mark.parametrize("extra, param, fragment", [

@@ -277,20 +277,10 @@ class ChatCompletionRequest(_SamplingFields):
         return {"tool_choice": {"json": schema}}
 
     def template_args(self, trust_request_template: bool, tools_when_none: bool = True) -> dict:
-        """Keyword arguments for the chat template. A template sent by the client is rendered only when the
-        server trusts request templates: a template is code, and a slow one stalls the server."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        template = self.chat_template or kwargs.pop("chat_template", None)
-        if template is not None and not trust_request_template:
-            raise InvalidRequestError("chat_template", "This server does not render chat templates sent in requests "
-                                                       "(start it with --trust-request-chat-template to allow them).")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise InvalidRequestError("continue_final_message", "continue_final_message continues the last "
-                                      "message; it cannot be combined with add_generation_prompt (set it to false).")
-        if self.tools and (tools_when_none or self.tool_mode()[0] != "none"):
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
-        return {**kwargs, "chat_template": template, "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+        """Keyword arguments for the chat template (``template_args``), the tools left out when the request
+        will not call them and the server says so (--exclude-tools-when-tool-choice-none)."""
+        with_tools = tools_when_none or self.tool_mode()[0] != "none"
+        return template_args(self, trust_request_template, self.tools if with_tools else None)
 
     def sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -299,12 +289,37 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(self.max_completion_tokens or self.max_tokens, lp, defaults)
 
 
+def template_args(body, trust_request_template: bool, tools: list[Tool] | None) -> dict:
+    """Keyword arguments for the chat template of a request that renders messages (chat, /tokenize). A
+    template sent by the client is rendered only when the server trusts request templates: a template is
+    code, and a slow one stalls the server."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    template = body.chat_template or kwargs.pop("chat_template", None)
+    if template is not None and not trust_request_template:
+        raise InvalidRequestError("chat_template", "This server does not render chat templates sent in requests "
+                                                   "(start it with --trust-request-chat-template to allow them).")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise InvalidRequestError("continue_final_message", "continue_final_message continues the last "
+                                  "message; it cannot be combined with add_generation_prompt (set it to false).")
+    if tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    return {**kwargs, "chat_template": template, "add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message}
+
+
 class TokenizeRequest(_Body):
+    """A prompt, or chat messages rendered as a chat request would render them (vLLM's fields)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[Tool] | None = None  # rendered with the messages, as the chat template would
+    tools: list[Tool] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class DetokenizeRequest(_Body):

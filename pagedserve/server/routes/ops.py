@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import pagedserve
 from pagedserve.errors import InvalidRequestError
 from pagedserve.server.errors import APIError, error_response
-from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest, template_args
 from pagedserve.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -41,13 +41,16 @@ async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_st
     inputs = state.engine.inputs
     if body.messages is not None:
         messages = [m.as_dict() for m in body.messages]
-        tools = None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools]
-        tokens = await asyncio.to_thread(inputs.apply_chat_template, messages, tools=tools)
+        args = template_args(body, state.settings.trust_request_chat_template, body.tools)
+        tokens = await asyncio.to_thread(inputs.apply_chat_template, messages, **args)
     elif body.prompt is not None:
         tokens = await asyncio.to_thread(inputs.encode, body.prompt, body.add_special_tokens)
     else:
         raise InvalidRequestError("prompt", "Give either prompt or messages.")
-    return {"count": len(tokens), "max_model_len": state.engine.config.max_model_len, "tokens": tokens}
+    answer = {"count": len(tokens), "max_model_len": state.engine.config.max_model_len, "tokens": tokens}
+    if body.return_token_strs:
+        answer["token_strs"] = inputs.tokenizer.convert_ids_to_tokens(tokens)
+    return answer
 
 
 @router.post("/detokenize")
