@@ -313,6 +313,28 @@ def test_sweep_end_to_end_on_the_tiny_model_writes_every_artefact(tmp_path):
     assert len((tmp_path / "sweep.csv").read_text().splitlines()) == 5
 
 
+def test_a_replay_ladder_speeds_up_recorded_traffic(tmp_path):
+    """--replay-speeds: each rung sends the recording's requests at its arrival times divided by the speed;
+    the knee and recommendation are read in multiples of the recorded traffic."""
+    rec = tmp_path / "traffic.jsonl"
+    flags = ("--kv-cache-memory", "16MiB", "--max-model-len", "512", "--record-lengths", str(rec))
+    with running_server(*flags) as (url, _):
+        for n in range(10):
+            httpx.post(f"{url}/v1/completions", timeout=30, json={"prompt": list(range(5, 25 + 3 * n)),
+                                                                  "max_tokens": 4 + n, "ignore_eos": True})
+            time.sleep(0.02)
+        recorded = tmp_path / "recorded.jsonl"  # the sweep's own requests are recorded too: replay a copy
+        recorded.write_text(rec.read_text())
+        main(["bench", "sweep", "--base-url", url, "--dataset-name", "lengths", "--dataset-path", str(recorded),
+              "--replay-speeds", "1,4", "--disable-tqdm", "--result-dir", str(tmp_path / "sweep")])
+    doc = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    slow, fast = doc["ladders"][0]["rungs"]
+    assert doc["mode"] == "replay" and doc["unit"] == "replay speed" and doc["loads"] == [1, 4]
+    assert slow["completed"] == fast["completed"] == 10 and slow["total_output_tokens"] == sum(range(4, 14))
+    assert fast["request_rate"] == pytest.approx(4 * slow["request_rate"])  # the same requests, 4x as fast
+    assert "replay speed" in (tmp_path / "sweep" / "summary.md").read_text()
+
+
 def test_sweep_command_line_errors(tmp_path, capsys):
     def err(*argv) -> str:
         with pytest.raises(SystemExit) as e:
@@ -320,7 +342,16 @@ def test_sweep_command_line_errors(tmp_path, capsys):
         assert e.value.code == 2
         return capsys.readouterr().err
 
-    assert "not both" in err("--model", "tiny", "--concurrency", "1,2", "--request-rates", "1,2")
+    assert "not several" in err("--model", "tiny", "--concurrency", "1,2", "--request-rates", "1,2")
+    assert "--dataset-name lengths" in err("--model", "tiny", "--replay-speeds", "1,2")
+    with pytest.raises(SystemExit):  # tune needs a concurrency ladder, and says so before starting a server
+        main(["tune", "tiny", "--request-rates", "1,2", "--result-dir", str(tmp_path / "t")])
+    assert "use --concurrency, not --request-rates" in capsys.readouterr().err
+    rec = tmp_path / "r.jsonl"
+    rec.write_text('{"arrival": 1.0, "prompt_tokens": 8, "output_tokens": 2}\n')
+    assert "the simulator runs --concurrency" in err("--model", "Qwen/Qwen3-0.6B", "--simulate", "h200-qwen3-0.6b-bf16",
+                                                     "--serve-args", "--load-format dummy", "--dataset-name", "lengths",
+                                                     "--dataset-path", str(rec), "--replay-speeds", "1,2")
     assert "--grid" in err("--base-url", "http://127.0.0.1:9", "--grid", "max_num_seqs=1,2")
     assert "--base-url" in err()
     assert "--slo" in err("--model", "tiny", "--slo", "speed=fast")

@@ -204,9 +204,13 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
                      help="Requests in flight per rung (closed loop, --request-rate inf --max-concurrency C); "
                           "default 1,2,4,8,16,32.")
     lad.add_argument("--request-rates", default=None, help="Or an open-loop ladder of request rates, e.g. 1,2,4,8.")
+    lad.add_argument("--replay-speeds", default=None,
+                     help="Or replay a recording (--dataset-name lengths) at these multiples of its arrival rate, "
+                          "e.g. 1,2,4,8: how many times today's traffic the server takes before the knee.")
     lad.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrivals for --request-rates.")
     lad.add_argument("--prompts-per-rung", type=int, default=None,
-                     help="Measured prompts per rung (default: max(16, 4C), or max(16, 10R) for rates).")
+                     help="Measured prompts per rung (default: max(16, 4C), max(16, 10R) for rates, the whole "
+                          "recording for replay speeds: its first N requests with this flag).")
     lad.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                      help="One unmeasured round of requests at each rung's load first.")
     lad.add_argument("--repeats", type=int, default=1, help="Measure each rung this many times (medians).")

@@ -117,17 +117,18 @@ def _recorded_prompts(rng: np.random.Generator, rows: list[dict], tokenizer) -> 
     return _random_prompts(rng, allowed, prefixes, in_lens, [r["output_tokens"] for r in rows], tokenizer)
 
 
-def replayed_lengths(path: str, num_prompts: int, speed: float = 1.0,
+def replayed_lengths(path: str, num_prompts: int | None, speed: float = 1.0,
                      tokenizer=None) -> tuple[list[SampleRequest], list[float]]:
-    """The first ``num_prompts`` recorded requests in arrival order, as prompts of their lengths, and when
-    each is sent: its recorded offset from the first, divided by ``speed`` (2: twice as fast)."""
+    """The first ``num_prompts`` recorded requests (None: all) in arrival order, as prompts of their
+    lengths, and when each is sent: its recorded offset from the first, divided by ``speed`` (2: twice as
+    fast)."""
     if speed <= 0:
         raise ConfigError(f"--replay-speed must be positive, got {speed}.")
     rows = read_recorded_lengths(path)
     if any(not isinstance(r.get("arrival"), (int, float)) for r in rows):
         raise ConfigError(f"--dataset-path {path}: some lines have no arrival time to replay (write it with "
                           f"`serve --record-lengths`), or leave out --replay-arrivals.")
-    if num_prompts > len(rows):
+    if num_prompts is not None and num_prompts > len(rows):
         raise ConfigError(f"--num-prompts {num_prompts}: {path} holds {len(rows)} requests to replay; ask for "
                           f"at most that many.")
     rows = sorted(rows, key=lambda r: r["arrival"])[:num_prompts]

@@ -125,6 +125,12 @@ class KneeResult:
         return asdict(self)
 
 
+# each kind of ladder: the flag that lists its loads, and what a load is called
+LADDERS = {"concurrency": ("--concurrency", "concurrency"), "rate": ("--request-rates", "request rate"),
+           "replay": ("--replay-speeds", "replay speed")}
+LADDER_FLAGS = {unit: flag for flag, unit in LADDERS.values()}
+
+
 def _fmt_load(load: float, unit: str) -> str:
     return f"{unit} {load:g}"
 
@@ -211,7 +217,7 @@ def find_knee(rungs: list[dict], loads: list[float], settings: KneeSettings, uni
         top = loads[-1]
         next_loads = [top * 2 ** k for k in range(4)]
         reason = (f"No knee up to {_fmt_load(top, unit)}: {grew}no latency, memory, failure or SLO signal fired. "
-                  f"Extend the ladder: --{'concurrency' if unit == 'concurrency' else 'request-rates'} "
+                  f"Extend the ladder: {LADDER_FLAGS[unit]} "
                   f"{','.join(f'{x:g}' for x in next_loads)}")
     else:
         next_loads = None

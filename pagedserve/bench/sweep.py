@@ -25,7 +25,7 @@ import aiohttp
 
 import pagedserve
 from pagedserve.bench.datasets import LENGTH_DATASETS, SampleRequest
-from pagedserve.bench.knee import KneeSettings, find_knee, parse_slo, tightest_slo
+from pagedserve.bench.knee import LADDERS, KneeSettings, find_knee, parse_slo, tightest_slo
 from pagedserve.bench.metrics import METRIC_KEYS
 from pagedserve.bench.serve import BenchConfig, run_benchmark
 from pagedserve.errors import BenchmarkError, ConfigError
@@ -37,9 +37,14 @@ _SUMMED = ("completed", "failed", "num_prompts", "total_input_tokens", "total_ou
 _MAXED = ("max_input_len",)
 
 
+REPLAY_WARMUP = 8  # requests of the recording replayed, unmeasured, before each replay rung
+
+
 @dataclass
 class SweepPlan:
-    mode: str                          # "concurrency" (closed loop at C in flight) or "rate" (open loop)
+    # "concurrency" (closed loop at C in flight), "rate" (open loop), or "replay" (a recording's arrivals,
+    # sped up by the load: where the server breaks, in multiples of the recorded traffic)
+    mode: str
     loads: list[float]
     prompts_per_rung: int | None = None
     warmup: bool = True
@@ -48,7 +53,7 @@ class SweepPlan:
     knee: KneeSettings = field(default_factory=KneeSettings)
 
     def __post_init__(self) -> None:
-        flag = "--concurrency" if self.mode == "concurrency" else "--request-rates"
+        flag = LADDERS[self.mode][0]
         if not self.loads or any(not x > 0 or math.isinf(x) for x in self.loads):
             raise ConfigError(f"{flag}: give positive finite values, e.g. 1,2,4,8,16,32.")
         if self.mode == "concurrency" and any(x != int(x) for x in self.loads):
@@ -62,17 +67,19 @@ class SweepPlan:
 
     @property
     def unit(self) -> str:
-        return "concurrency" if self.mode == "concurrency" else "request rate"
+        return LADDERS[self.mode][1]
 
-    def prompts(self, load: float) -> int:
-        """Measured prompts of a rung: four rounds of C in flight, or ten seconds of arrivals."""
-        if self.prompts_per_rung is not None:
+    def prompts(self, load: float) -> int | None:
+        """Measured prompts of a rung: four rounds of C in flight, ten seconds of arrivals, or (None) the
+        whole recording replayed."""
+        if self.prompts_per_rung is not None or self.mode == "replay":
             return self.prompts_per_rung
         return max(16, 4 * int(load)) if self.mode == "concurrency" else max(16, math.ceil(10 * load))
 
     def warmup_prompts(self, load: float) -> int:
-        """One round at the rung's load: every slot of the closed loop once, or a second of arrivals."""
-        return int(load) if self.mode == "concurrency" else min(16, math.ceil(load))
+        """One round at the rung's load: every slot of the closed loop once, a second of arrivals, or the
+        recording's first few requests at the rung's speed."""
+        return {"concurrency": int(load), "rate": min(16, math.ceil(load)), "replay": REPLAY_WARMUP}[self.mode]
 
 
 @dataclass
@@ -133,28 +140,38 @@ def rung_seeds(seed: int, index: int) -> tuple[int, int]:
 
 
 async def run_rung(target: Target, plan: SweepPlan, index: int, load: float,
-                   samples_for: Callable[[int, int], list[SampleRequest]]) -> dict:
-    """Measure one load level (``samples_for(n, seed)`` draws the rung's prompts)."""
-    closed = plan.mode == "concurrency"
+                   samples_for: Callable[[int, int], list[SampleRequest]],
+                   replay_for: Callable[[int | None, float], tuple[list[SampleRequest], list[float]]] | None = None
+                   ) -> dict:
+    """Measure one load level (``samples_for(n, seed)`` draws the rung's prompts; a replay ladder's
+    ``replay_for(n, speed)`` gives a recording's first n requests and when to send them)."""
+    closed, replay = plan.mode == "concurrency", plan.mode == "replay"
     arrivals, seed = rung_seeds(target.seed, index)
 
-    def config(show: bool) -> BenchConfig:
+    def workload(n: int | None, seed: int) -> tuple[BenchConfig, list[SampleRequest]]:
+        sends = None
+        if replay:
+            samples, sends = replay_for(n, load)
+        else:
+            samples = samples_for(n, seed)
         return BenchConfig(base_url=target.base_url, endpoint=target.endpoint, model=target.model,
-                           request_rate=math.inf if closed else load, burstiness=target.burstiness,
-                           max_concurrency=int(load) if closed else None, ignore_eos=target.ignore_eos,
-                           seed=arrivals, num_warmups=0, api_key=target.api_key, show_progress=show)
+                           request_rate=load if plan.mode == "rate" else math.inf, burstiness=target.burstiness,
+                           max_concurrency=int(load) if closed else None, arrivals=sends,
+                           replay_speed=load if replay else None, ignore_eos=target.ignore_eos, seed=arrivals,
+                           num_warmups=0, api_key=target.api_key, show_progress=False), samples
 
     prefix = await _reset_prefix_cache(target) if plan.reset_prefix_cache else "off"
     if plan.warmup:
-        warm = await run_benchmark(config(False), samples_for(plan.warmup_prompts(load), seed + 999), [], [], {})
+        warm = await run_benchmark(*workload(plan.warmup_prompts(load), seed + 999), [], [], {})
         if warm["completed"] == 0:
             raise BenchmarkError(f"Every warm-up request of {plan.unit} {load:g} failed "
                                f"({next((e for e in warm['errors'] if e), '?')}). Is the server up at "
                                f"{target.base_url} and serving {target.model!r}?")
     runs = []
     for rep in range(plan.repeats):
-        result = await run_benchmark(config(target.show_progress), samples_for(plan.prompts(load), seed + rep),
-                                     PERCENTILES, list(METRIC_KEYS), target.goodput)
+        cfg, samples = workload(plan.prompts(load), seed + rep)
+        cfg.show_progress = target.show_progress
+        result = await run_benchmark(cfg, samples, PERCENTILES, list(METRIC_KEYS), target.goodput)
         runs.append(_rung_record(result))
     rung = aggregate(runs)
     rung.update(load=load, prefix_cache=prefix)
@@ -298,15 +315,19 @@ def _names(text: str) -> tuple[str, ...]:
 
 def plan_from(ns: argparse.Namespace) -> SweepPlan:
     """The ladder and knee settings from the flags `bench sweep` and `tune` share."""
-    if ns.request_rates is not None and ns.concurrency is not None:
-        raise ConfigError("Give --concurrency or --request-rates, not both: one ladder varies one thing.")
-    rates = ns.request_rates is not None
-    loads = _float_list(ns.request_rates if rates else ns.concurrency or "1,2,4,8,16,32",
-                        "--request-rates" if rates else "--concurrency")
+    given = {mode: getattr(ns, flag[2:].replace("-", "_")) for mode, (flag, _) in LADDERS.items()}
+    given = {mode: value for mode, value in given.items() if value is not None}
+    if len(given) > 1:
+        raise ConfigError(f"Give one of {', '.join(f for f, _ in LADDERS.values())}, not several: one ladder varies "
+                          f"one thing.")
+    mode, value = next(iter(given.items()), ("concurrency", "1,2,4,8,16,32"))
+    if mode == "replay" and (ns.dataset_name != "lengths" or ns.dataset_path is None):
+        raise ConfigError("--replay-speeds replays a recording: give --dataset-name lengths --dataset-path FILE "
+                          "(a `serve --record-lengths` file).")
+    loads = _float_list(value, LADDERS[mode][0])
     knee = KneeSettings(ns.knee_min_gain, ns.knee_latency_factor, ns.knee_kv_usage, ns.knee_max_failure_rate,
                         parse_slo(ns.slo), _names(ns.knee_signals), _names(ns.knee_latency_metrics))
-    return SweepPlan("rate" if rates else "concurrency", loads, ns.prompts_per_rung, ns.warmup, ns.repeats,
-                     ns.reset_prefix_cache, knee)
+    return SweepPlan(mode, loads, ns.prompts_per_rung, ns.warmup, ns.repeats, ns.reset_prefix_cache, knee)
 
 
 def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url: str | None = None,
@@ -325,8 +346,12 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
                   {"command": ["pagedserve", "serve", ns.model, *serve_flags]})
     if simulate is not None:
         target_doc["simulated"] = simulate.describe()
+    if simulate is not None and plan.mode == "replay":
+        raise ConfigError("--replay-speeds measures a server; the simulator runs --concurrency or --request-rates "
+                          "ladders (with --dataset-name lengths for the recording's shape).")
     ids_only = simulate is not None and ns.dataset_name in LENGTH_DATASETS  # the simulator needs lengths, not text
-    draw = samples_factory(ns, None if ids_only else client_tokenizer(ns.tokenizer, ns.model))
+    tokenizer = None if ids_only else client_tokenizer(ns.tokenizer, ns.model)
+    draw = samples_factory(ns, tokenizer)
     goodput = goodput_of(plan.knee.slo)
     ladders: list[dict] = []
 
@@ -335,10 +360,15 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
                               dataset=dataset_settings(ns), endpoint=ns.endpoint,
                               grid={"param": grid[0], "values": grid[1]} if grid else None, ladders=ladders)
 
+    def replay_for(n: int | None, speed: float) -> tuple[list[SampleRequest], list[float]]:
+        from pagedserve.bench.datasets import replayed_lengths
+
+        return replayed_lengths(ns.dataset_path, n, speed, tokenizer)
+
     def over_http(url: str) -> Callable[[int, float], dict]:
         target = Target(url, ns.model, ns.endpoint, ns.api_key, ns.ignore_eos or ns.dataset_name in LENGTH_DATASETS,
                         ns.burstiness, ns.seed, goodput, show_progress=not ns.disable_tqdm)
-        return lambda i, load: asyncio.run(run_rung(target, plan, i, load, draw))
+        return lambda i, load: asyncio.run(run_rung(target, plan, i, load, draw, replay_for))
 
     def ladder(measure: Callable[[int, float], dict], label: str, value: str | None, extra: dict) -> None:
         def save_partial(rungs: list[dict]) -> None:

@@ -62,6 +62,7 @@ def memory_plan(args, gpu: tuple[int, str] | None) -> tuple[str, str]:
 
 def cmd_tune(ns: argparse.Namespace) -> None:
     """Plan, measure the ladder, pick the recommendation, and write profiles, runbook and alerts."""
+    from pagedserve.bench.knee import LADDERS
     from pagedserve.bench.sweep import plan_from, result_dir, run_sweep
     from pagedserve.args import engine_args_from, engine_flags
     from pagedserve.tune.derive import derive
@@ -87,6 +88,9 @@ def cmd_tune(ns: argparse.Namespace) -> None:
         gpu = gpu_facts() if args.device != "cpu" else None
     config = args.create_config(plan_for="cuda" if gpu else None, serving=True)  # as the server will resolve it
     plan = plan_from(ns)
+    if plan.mode != "concurrency":  # before any server starts: derive sizes the profiles from concurrency
+        raise ConfigError(f"tune sizes max_num_seqs from a concurrency ladder: use --concurrency, not "
+                          f"{LADDERS[plan.mode][0]} (bench sweep runs that ladder).")
     folder = result_dir(ns.result_dir, "tune")
     device, plan_text = memory_plan(args, gpu)
     (folder / "plan.txt").write_text(plan_text + "\n")

@@ -42,7 +42,8 @@ class Derivation:
 def derive(doc: dict, config, *, model: str) -> Derivation:
     """``doc``: sweep.json of one concurrency ladder against a server of ``config``."""
     if doc["mode"] != "concurrency":
-        raise ConfigError("tune sizes max_num_seqs from a concurrency ladder: use --concurrency, not --request-rates.")
+        raise ConfigError("tune sizes max_num_seqs from a concurrency ladder: use --concurrency, not --request-rates "
+                          "or --replay-speeds (bench sweep runs those).")
     lad = doc["ladders"][0]
     rungs, knee = lad["rungs"], lad["knee"]
     r = knee["recommendation"]
