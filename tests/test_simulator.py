@@ -268,3 +268,22 @@ def test_a_preset_of_another_gpu_estimates_its_speed_from_the_peaks(tmp_path):
         Simulation.load("h200-qwen3-8b-fp8", gpu="A100-80GB")
     with pytest.raises(ConfigError, match="does not know"):  # measured on a GPU without known peaks
         Simulation.load(tiny_calibration(tmp_path), gpu="H100-80GB")
+
+
+def test_a_recording_replayed_faster_on_the_simulator(tmp_path):
+    """--replay-speeds with --simulate: the recorded arrivals, divided by each speed, reach the simulated
+    engine; faster replays finish the same requests sooner until the engine saturates."""
+    rec = tmp_path / "traffic.jsonl"
+    rng = np.random.default_rng(0)
+    t = np.cumsum(rng.exponential(0.2, size=40))  # 5 requests a second
+    rec.write_text("".join(json.dumps({"arrival": float(a), "prompt_tokens": 64, "output_tokens": 16}) + "\n"
+                           for a in t))
+    out = tmp_path / "sweep"
+    main(["bench", "sweep", "--model", "tiny", "--serve-args", "--max-num-seqs 8 --max-num-batched-tokens 512",
+          "--simulate", tiny_calibration(tmp_path), "--dataset-name", "lengths", "--dataset-path", str(rec),
+          "--replay-speeds", "1,4", "--result-dir", str(out)])
+    doc = json.loads((out / "sweep.json").read_text())
+    slow, fast = doc["ladders"][0]["rungs"]
+    assert doc["mode"] == "replay" and slow["completed"] == fast["completed"] == 40
+    assert slow["duration"] == pytest.approx(t[-1] - t[0], rel=0.1)  # the recording's own span, as recorded
+    assert fast["duration"] < slow["duration"] / 3

@@ -347,11 +347,6 @@ def test_sweep_command_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):  # tune needs a concurrency ladder, and says so before starting a server
         main(["tune", "tiny", "--request-rates", "1,2", "--result-dir", str(tmp_path / "t")])
     assert "use --concurrency, not --request-rates" in capsys.readouterr().err
-    rec = tmp_path / "r.jsonl"
-    rec.write_text('{"arrival": 1.0, "prompt_tokens": 8, "output_tokens": 2}\n')
-    assert "the simulator runs --concurrency" in err("--model", "Qwen/Qwen3-0.6B", "--simulate", "h200-qwen3-0.6b-bf16",
-                                                     "--serve-args", "--load-format dummy", "--dataset-name", "lengths",
-                                                     "--dataset-path", str(rec), "--replay-speeds", "1,2")
     assert "--grid" in err("--base-url", "http://127.0.0.1:9", "--grid", "max_num_seqs=1,2")
     assert "--base-url" in err()
     assert "--slo" in err("--model", "tiny", "--slo", "speed=fast")

@@ -346,9 +346,6 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
                   {"command": ["pagedserve", "serve", ns.model, *serve_flags]})
     if simulate is not None:
         target_doc["simulated"] = simulate.describe()
-    if simulate is not None and plan.mode == "replay":
-        raise ConfigError("--replay-speeds measures a server; the simulator runs --concurrency or --request-rates "
-                          "ladders (with --dataset-name lengths for the recording's shape).")
     ids_only = simulate is not None and ns.dataset_name in LENGTH_DATASETS  # the simulator needs lengths, not text
     tokenizer = None if ids_only else client_tokenizer(ns.tokenizer, ns.model)
     draw = samples_factory(ns, tokenizer)
@@ -388,7 +385,8 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
             ladder(over_http(base_url), "server", None, {})
         for label, value, flags in runs:
             if simulate is not None:
-                ladder(simulate.ladder(ns.model, flags, plan, draw, ns.seed, ns.burstiness, goodput), label, value,
+                ladder(simulate.ladder(ns.model, flags, plan, draw, ns.seed, ns.burstiness, goodput, replay_for),
+                       label, value,
                        {"server_command": ["pagedserve", "serve", ns.model, *flags], "simulated": True})
                 continue
             log = folder / (f"server-{grid[0]}-{value}.log" if grid else "server.log")

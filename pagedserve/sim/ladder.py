@@ -83,9 +83,11 @@ class Simulation:
         return config, plan.budget
 
     def ladder(self, model: str, flags: list[str], plan, draw: Callable[[int, int], list[SampleRequest]],
-               seed: int, burstiness: float, goodput: dict[str, float]) -> Callable[[int, float], dict]:
+               seed: int, burstiness: float, goodput: dict[str, float],
+               replay_for: Callable | None = None) -> Callable[[int, float], dict]:
         """``measure(index, load)`` for ``bench.sweep.run_ladder``: the rung's prompts (as ``run_rung``
-        draws them) through a fresh simulated engine, closed loop at C or open loop at a rate."""
+        draws them) through a fresh simulated engine, closed loop at C, open loop at a rate, or a recording
+        replayed at a speed (``replay_for(n, speed)``: its requests and when to send them)."""
         from pagedserve.bench.sweep import aggregate, rung_seeds
 
         config, budget = self.engine(model, flags)
@@ -96,12 +98,16 @@ class Simulation:
             arrivals, prompts = rung_seeds(seed, index)
             runs = []
             for rep in range(plan.repeats):
-                samples = [as_token_ids(s, vocab, prompts + rep + k)
-                           for k, s in enumerate(draw(plan.prompts(load), prompts + rep))]
+                sends = None
+                if plan.mode == "replay":
+                    drawn, sends = replay_for(plan.prompts(load), load)
+                else:
+                    drawn = draw(plan.prompts(load), prompts + rep)
+                samples = [as_token_ids(s, vocab, prompts + rep + k) for k, s in enumerate(drawn)]
                 runs.append(simulate_load(config, budget, self.calibration.cost, samples,
                                           max_concurrency=int(load) if closed else None,
-                                          request_rate=math.inf if closed else load, burstiness=burstiness,
-                                          seed=arrivals, goodput=goodput))
+                                          request_rate=load if plan.mode == "rate" else math.inf,
+                                          burstiness=burstiness, seed=arrivals, goodput=goodput, arrivals=sends))
             rung = aggregate(runs)
             rung.update(load=load, prefix_cache="simulated", simulated=True)
             return rung

@@ -27,13 +27,15 @@ from pagedserve.sim.executor import SimulatedWorker
 
 def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[SampleRequest], *,
                   max_concurrency: int | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
-                  seed: int = 0, goodput: dict[str, float] | None = None) -> dict:
-    """One run of ``samples`` (token-id prompts) on a fresh engine core; returns what ``run_benchmark``
-    returns, less the per-request arrays, with the engine's own peaks and preemptions."""
+                  seed: int = 0, goodput: dict[str, float] | None = None,
+                  arrivals: list[float] | None = None) -> dict:
+    """One run of ``samples`` (token-id prompts) on a fresh engine core, sent at ``arrivals`` (seconds; a
+    replayed recording) or by the rate and burstiness; returns what ``run_benchmark`` returns, less the
+    per-request arrays, with the engine's own peaks and preemptions."""
     worker = SimulatedWorker(config, budget, cost)
     core = EngineCore(config, worker=worker)
     n = len(samples)
-    arrivals = arrival_delays(n, request_rate, burstiness, seed)
+    arrivals = arrival_delays(n, request_rate, burstiness, seed) if arrivals is None else arrivals
     results = [RequestResult(prompt_len=s.prompt_len) for s in samples]
     stamps: list[list[float]] = [[] for _ in samples]
     waiting: deque[int] = deque()     # arrived, waiting for a slot under the cap
