@@ -105,7 +105,8 @@ def read_event(endpoint: str, chunk: dict) -> tuple[str | None, dict | None, str
     if not choices:
         return None, chunk.get("usage"), None
     c = choices[0]
-    return ((c.get("delta") or {}).get("content") or "" if "delta" in c else c.get("text") or ""), chunk.get("usage"), None
+    text = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
+    return text or "", chunk.get("usage"), None
 
 
 async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, sample: SampleRequest,

@@ -148,12 +148,12 @@ async def run_rung(target: Target, plan: SweepPlan, index: int, load: float,
     closed, replay = plan.mode == "concurrency", plan.mode == "replay"
     arrivals, seed = rung_seeds(target.seed, index)
 
-    def workload(n: int | None, seed: int) -> tuple[BenchConfig, list[SampleRequest]]:
+    def workload(n: int | None, prompt_seed: int) -> tuple[BenchConfig, list[SampleRequest]]:
         sends = None
         if replay:
             samples, sends = replay_for(n, load)
         else:
-            samples = samples_for(n, seed)
+            samples = samples_for(n, prompt_seed)
         return BenchConfig(base_url=target.base_url, endpoint=target.endpoint, model=target.model,
                            request_rate=load if plan.mode == "rate" else math.inf, burstiness=target.burstiness,
                            max_concurrency=int(load) if closed else None, arrivals=sends,

@@ -5,9 +5,9 @@ The scheduler works only with these integers; the model runner owns the tensors 
 Prefix caching (vLLM V1's design): once a block is full its content is named by a chain hash
 (previous block's hash, its tokens), and a later request whose prompt starts with the same tokens
 reuses the block instead of computing it again. A request's cache salt starts its chain, so requests of
-different salts (tenants) never share a block, nor can time a hit on another's prompt. Blocks carry reference counts; a block nobody holds goes
-to the tail of the free list but keeps its hash, so it can still be hit until it is reused for something
-else (least recently freed first).
+different salts (tenants) never share a block, nor can time a hit on another's prompt. Blocks carry
+reference counts; a block nobody holds goes to the tail of the free list but keeps its hash, so it can
+still be hit until it is reused for something else (least recently freed first).
 """
 
 from __future__ import annotations
