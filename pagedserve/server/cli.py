@@ -98,9 +98,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="Add usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache gave.")
     s.add_argument("--record-lengths", default=None, metavar="FILE",
-                   help="Append a JSON line for each finished request (arrival time, prompt and output tokens; "
-                        "no text): the traffic's shape, which `pagedserve bench ... --dataset-name lengths "
-                        "--dataset-path FILE` replays.")
+                   help="Append a JSON line for each finished request (arrival time, prompt tokens and those "
+                        "the prefix cache gave, output tokens; no text): the traffic's shape, which `pagedserve "
+                        "bench ... --dataset-name lengths --dataset-path FILE` replays.")
     s.add_argument("--config", default=None, help="A YAML file of flags (names with - or _), as vLLM's; flags "
                                                   "on the command line win.")
     s.add_argument("--enable-log-requests", action="store_true", help="Log each request as it is admitted.")

@@ -13,8 +13,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
 from pagedserve.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplitter, prompt_state
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.server.state import ServerState, server_state
