@@ -5,8 +5,8 @@ output), so it parses by construction; "auto" lets the model choose, and a parse
 format (``--tool-call-parser``) takes the calls out of the streamed text. Every parser is fed the answer
 as it streams and returns (content, calls): calls in the shape of streamed ``delta.tool_calls`` entries,
 which the non-streamed answer joins by index. Text that looked like a call but does not parse stays
-content, so nothing the model wrote is lost. Control characters inside strings are taken (``strict=False``):
-models and grammars write them raw, and the arguments are written back out escaped.
+content, so nothing the model wrote is lost. JSON is read with ``strict=False``: models and grammars write
+control characters raw inside strings.
 """
 
 from __future__ import annotations
