@@ -74,6 +74,11 @@ CMPL = "/v1/completions"
     (CMPL, {"prompt": "hi", "structured_outputs": {"choice": []}}, 400, "wrong type"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "--enable-auto-tool-choice"),
+    # fields that would change the question, which this server does not do: refused, not ignored
+    (CMPL, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    (CMPL, {"prompt": "hi", "suffix": " and so on"}, 400, "suffix"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, 400, "send tools"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400, "Beam search"),
 ])
 def test_bad_input_is_a_clear_4xx(server, path, body, status, fragment):
     assert fragment in error(post(server[0], path, body), status)["message"]

@@ -28,6 +28,19 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
+# fields OpenAI or vLLM clients send that would change what is asked for and that this server does not do:
+# a 400 that says so, rather than a warning and an answer to another question
+_REFUSED = {
+    "best_of": (lambda v, n: isinstance(v, int) and v > n,
+                "best_of (the best of several samples) is not supported: ask for n samples and choose among them."),
+    "suffix": (lambda v, n: bool(v), "suffix (text to follow the completion) is not supported."),
+    "functions": (lambda v, n: bool(v), "The legacy functions field is not supported: send tools (and tool_choice)."),
+    "function_call": (lambda v, n: v not in (None, "none"),
+                      "The legacy function_call field is not supported: send tool_choice."),
+    "use_beam_search": (lambda v, n: bool(v), "Beam search is not supported: sample with n instead."),
+}
+
+
 class _SamplingFields(_Body):
     # unknown fields are accepted, as OpenAI clients send extras freely, and named in a warning (as vLLM does)
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -78,6 +91,9 @@ class _SamplingFields(_Body):
         """``defaults``: the model's recommended values (generation_config.json) for the fields left unset."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options needs stream: true.")
+        for name, value in (self.model_extra or {}).items():
+            if name in _REFUSED and _REFUSED[name][0](value, self.n):
+                raise InvalidRequestError(name, _REFUSED[name][1])
         unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
         chosen = {k: v if (v := getattr(self, k)) is not None else defaults.get(k, neutral)
                   for k, neutral in unset.items()}
