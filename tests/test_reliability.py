@@ -160,18 +160,20 @@ FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "see
           "stream", "stream_options", "logprobs", "ignore_eos", "min_tokens", "messages", "model", "echo",
           "top_logprobs", "chat_template_kwargs", "max_completion_tokens", "add_generation_prompt",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
-          "guided_choice", "guided_regex", "structured_outputs"]
+          "guided_choice", "guided_regex", "structured_outputs", "tools", "tool_choice", "input", "instructions",
+          "max_output_tokens", "text", "priority", "cache_salt", "best_of", "suffix"]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(path=st.sampled_from([CMPL, CHAT, "/tokenize", "/detokenize"]),
+@given(path=st.sampled_from([CMPL, CHAT, "/v1/responses", "/tokenize", "/detokenize"]),
        body=st.dictionaries(st.sampled_from(FIELDS), JSONISH, max_size=6))
 def test_fuzzed_bodies_never_get_a_5xx_or_stall(server, path, body):
     url = server[0]
-    if path in (CMPL, CHAT):
-        body.setdefault("max_tokens", 2)
-        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
-            body["max_tokens"] = 8  # keep each accepted request short
+    if path in (CMPL, CHAT, "/v1/responses"):
+        for cap in ("max_tokens", "max_output_tokens"):
+            body.setdefault(cap, 2)
+            if isinstance(body.get(cap), int) and body[cap] > 8:
+                body[cap] = 8  # keep each accepted request short
     started = time.monotonic()
     r = post(url, path, body)
     assert r.status_code < 500, (body, r.text)
