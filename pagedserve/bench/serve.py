@@ -341,6 +341,8 @@ def format_table(result: dict, percentile_metrics: list[str], percentiles: list[
     row("Failed requests:", result["failed"])
     if result["max_concurrency"] is not None:
         row("Maximum request concurrency:", result["max_concurrency"])
+    if result["replay_speed"] is not None:
+        row("Recorded arrivals replayed at (x):", f"{result['replay_speed']:g}")
     row("Benchmark duration (s):", f"{result['duration']:.2f}")
     row("Total input tokens:", result["total_input_tokens"])
     row("Total generated tokens:", result["total_output_tokens"])
