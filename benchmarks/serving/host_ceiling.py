@@ -6,6 +6,8 @@ CPU time a token (all its threads; the client is another process) is the steadie
 
 python -m benchmarks.serving.host_ceiling [--model Qwen/Qwen3-0.6B] [--in-flight 16,64] [--repeats 3]
 (CPU is enough; the client shares the machine's cores with the server, so compare runs on one machine)
+--profile: one run per level under yappi (pip install yappi), then the functions where the server's
+threads spent their own CPU time, most first: where a host optimization would pay.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ def main() -> None:
     p.add_argument("--model", default="Qwen/Qwen3-0.6B")
     p.add_argument("--in-flight", default="16,64")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="Profile the server's threads (needs yappi).")
     ns = p.parse_args()
+    if ns.profile:
+        import yappi  # a profiler of every thread: the event loop's and the engine core's
+
+        yappi.set_clock_type("cpu")
+        yappi.start()
+        ns.repeats = 1
     args = EngineArgs(model=ns.model, load_format="dummy", max_model_len=2048, max_num_seqs=256,
                       kv_cache_memory="2GiB", device="cpu")
     worker = Worker(args.create_config())  # only for its memory budget, which the priced worker reports
@@ -45,6 +54,16 @@ def main() -> None:
         r = rates[c]
         print(f"{c:>9}  {np.median(steps[c]):>15.1f}  {np.median(r):>14,.0f} ({min(r):,.0f}-{max(r):,.0f})  "
               f"{np.median(cpu[c]):>22.1f}")
+    if ns.profile:
+        import yappi
+
+        yappi.stop()
+        stats = sorted(yappi.get_func_stats(), key=lambda s: -s.tsub)
+        total = sum(s.tsub for s in stats)
+        print(f"\nown CPU time by function, all levels ({total:.2f} s, the server's threads and the process's):")
+        for s in stats[:25]:
+            where = s.module.split("site-packages/")[-1].split("pagedserve/")[-1]
+            print(f"{100 * s.tsub / total:5.1f} %  {s.ncall:>9,}  {where}:{s.name}")
 
 
 if __name__ == "__main__":
