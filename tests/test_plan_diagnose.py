@@ -81,6 +81,24 @@ def test_plan_cli_json_and_exit_code(capsys):
     assert "FAILS AT START-UP" in capsys.readouterr().out
 
 
+def test_plan_at_the_lengths_of_recorded_traffic(tmp_path, capsys):
+    """--lengths-from: the concurrency at the recorded requests' p50, p95 and largest context (prompt +
+    output), and the --max-num-seqs warning judged at the p95 instead of max_model_len."""
+    rec = tmp_path / "traffic.jsonl"
+    totals = [1000] * 90 + [6000] * 10  # p50 1000 tokens, p95 and largest 6000
+    rec.write_text("".join(json.dumps({"prompt_tokens": t - 100, "output_tokens": 100}) + "\n" for t in totals))
+    main(["plan", "Qwen/Qwen3-8B", "--gpu", "H100-80GB", "--max-model-len", "16384", "--max-num-seqs", "256",
+          "--lengths-from", str(rec), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    kv = out["budget"]["kv_tokens"]
+    assert out["concurrency"]["recorded p50, 1000 tokens"] == pytest.approx(kv / 1000, rel=0.02)
+    assert out["concurrency"]["recorded p95, 6000 tokens"] == pytest.approx(kv / 6000, rel=0.02)
+    assert any("at 6000 tokens per request" in w for w in out["warnings"])
+    with pytest.raises(SystemExit):
+        main(["plan", "Qwen/Qwen3-8B", "--gpu", "H100-80GB", "--lengths-from", str(tmp_path / "missing.jsonl")])
+    assert "--lengths-from" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ diagnose on recorded series
 
 

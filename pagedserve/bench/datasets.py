@@ -136,23 +136,24 @@ def replayed_lengths(path: str, num_prompts: int | None, speed: float = 1.0,
     return samples, [(r["arrival"] - rows[0]["arrival"]) / speed for r in rows]
 
 
-def read_recorded_lengths(path: str) -> list[dict]:
+def read_recorded_lengths(path: str, flag: str = "--dataset-path") -> list[dict]:
     """The requests of a ``--record-lengths`` file that produced output: {"arrival", "prompt_tokens",
-    "output_tokens", ...} each. Aborted ones are left out: their length is where they were stopped."""
+    "output_tokens", ...} each. Aborted ones are left out: their length is where they were stopped.
+    ``flag``: the option that named the file, for the errors."""
     rows = []
-    for lineno, line in _lines(path):
+    for lineno, line in _lines(path, flag):
         try:
             row = json.loads(line)
             ok = all(isinstance(row[k], int) and row[k] >= 0 for k in ("prompt_tokens", "output_tokens"))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             ok, row = False, str(e)
         if not ok:
-            raise ConfigError(f"--dataset-path {path}:{lineno}: expected a line of `serve --record-lengths` "
+            raise ConfigError(f"{flag} {path}:{lineno}: expected a line of `serve --record-lengths` "
                               f"({{\"prompt_tokens\": N, \"output_tokens\": M, ...}}), got {line[:120]!r}.")
         if row["prompt_tokens"] >= 1 and row["output_tokens"] >= 1 and row.get("finish_reason") != "abort":
             rows.append(row)
     if not rows:
-        raise ConfigError(f"--dataset-path {path}: no recorded request with a prompt and an output.")
+        raise ConfigError(f"{flag} {path}: no recorded request with a prompt and an output.")
     return rows
 
 
@@ -222,16 +223,16 @@ def _count_tokens(text: str, tokenizer) -> int:
     return len(tokenizer.encode(text)) if tokenizer else max(1, len(text) // 4)
 
 
-def _read_text(path: str) -> str:
+def _read_text(path: str, flag: str = "--dataset-path") -> str:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--dataset-path {path!r} is not a file.")
+        raise ConfigError(f"{flag} {path!r} is not a file.")
     return p.read_text()
 
 
-def _lines(path: str):
+def _lines(path: str, flag: str = "--dataset-path"):
     """(line number, line) of a JSONL file's non-blank lines."""
-    return ((n, line) for n, line in enumerate(_read_text(path).splitlines(), 1) if line.strip())
+    return ((n, line) for n, line in enumerate(_read_text(path, flag).splitlines(), 1) if line.strip())
 
 
 def _read_json(path: str):

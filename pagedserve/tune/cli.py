@@ -12,8 +12,14 @@ def cmd_plan(ns: argparse.Namespace) -> None:
     from pagedserve.args import engine_args_from
     from pagedserve.tune.plan import make_plan
 
+    recorded = None
+    if ns.lengths_from is not None:
+        from pagedserve.bench.datasets import read_recorded_lengths
+
+        recorded = [r["prompt_tokens"] + r["output_tokens"]
+                    for r in read_recorded_lengths(ns.lengths_from, "--lengths-from")]
     plan = make_plan(engine_args_from(ns), gpu=ns.gpu, gpu_memory_gib=ns.gpu_memory, input_len=ns.input_len,
-                     output_len=ns.output_len)
+                     output_len=ns.output_len, recorded=recorded)
     print(json.dumps(plan.to_json(), indent=2) if ns.json else plan.table())
     if plan.failures:
         sys.exit(1)  # scripts can gate a deployment on the plan
@@ -129,6 +135,9 @@ def add_tune_parsers(sub) -> None:
     g.add_argument("--gpu-memory", type=float, default=None, help="Total GPU memory in GiB (overrides --gpu).")
     g.add_argument("--input-len", type=int, default=None, help="Typical prompt tokens (concurrency at this length).")
     g.add_argument("--output-len", type=int, default=None, help="Typical output tokens.")
+    g.add_argument("--lengths-from", default=None, metavar="FILE",
+                   help="A `serve --record-lengths` file: the concurrency at its requests' p50, p95 and largest "
+                        "context, and the --max-num-seqs warning judged at its p95.")
     g.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from pagedserve.config import EngineArgs, EngineConfig
 from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, compute_budget, dtype_name, fmt_bytes,
                                weight_bytes)
@@ -101,7 +103,11 @@ class Plan:
 
 
 def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | None = None,
-              input_len: int | None = None, output_len: int | None = None) -> Plan:
+              input_len: int | None = None, output_len: int | None = None,
+              recorded: list[int] | None = None) -> Plan:
+    """The memory budget of ``args`` on a GPU (a preset or a size), and the concurrency it holds at
+    max_model_len, at ``input_len`` + ``output_len``, and at the p50 / p95 / largest context of
+    ``recorded`` requests (their prompt + output tokens, from a ``--record-lengths`` file)."""
     from pagedserve.errors import ConfigError
 
     if gpu is not None and gpu not in GPU_PRESETS:
@@ -128,6 +134,11 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
     if input_len or output_len:
         n = (input_len or 0) + (output_len or 0)
         lengths[f"{input_len or 0} in + {output_len or 0} out"] = n
+    typical = None
+    if recorded:
+        p50, typical = (int(np.percentile(recorded, q)) for q in (50, 95))
+        lengths.update({f"recorded p50, {p50} tokens": p50, f"recorded p95, {typical} tokens": typical,
+                        f"recorded largest, {max(recorded)} tokens": max(recorded)})
     concurrency = {k: budget.max_concurrency(n) for k, n in lengths.items()}
     plan = Plan(args.model, gpu, tp, dtype_name(cfg.dtype), dtype_name(cfg.kv_dtype),
                 cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, budget, graphs, concurrency,
@@ -140,7 +151,7 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
             f"headroom {fmt_bytes(budget.headroom)} is below the {fmt_bytes(graphs + WORKSPACE_HEADROOM)} that CUDA "
             f"graphs and workspaces need: peaks can OOM after start-up. Use --gpu-memory-utilization {safe} or lower "
             f"(or --enforce-eager to drop the graphs).")
-    per_req = (input_len or 0) + (output_len or 0) or cfg.max_model_len
+    per_req = (input_len or 0) + (output_len or 0) or typical or cfg.max_model_len
     fit = math.floor(budget.max_concurrency(per_req))
     if cfg.max_num_seqs > fit:
         plan.warnings.append(
