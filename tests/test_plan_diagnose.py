@@ -176,7 +176,9 @@ def test_diagnose_itl_rising_without_queue():
 
 def test_diagnose_healthy():
     rows = [(4, 0, 0.1, 2, 0.05 * (i + 1), i + 1, 0.02 * 30 * (i + 1), 30 * (i + 1)) for i in range(5)]
-    assert diagnose(series(rows), max_num_seqs=64).situation is None
+    d = diagnose(series(rows), max_num_seqs=64, url="http://h:8000")
+    assert d.situation is None and "--base-url http://h:8000 --concurrency" in d.first_change
+    assert "--replay-speeds 1,2,4,8" in d.first_change  # or today's recorded traffic, sped up
 
 
 def test_diagnose_cli_against_a_running_server(capsys):

@@ -130,7 +130,10 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
     return Diagnosis(None, "Healthy: no preemptions, KV cache below 90 %, no queue, latency flat",
                      f"nothing now; to find how much more load it takes, run the concurrency ladder against it: "
                      f"`pagedserve bench sweep --base-url {url} --concurrency 1,2,4,8,16,32,64 "
-                     f"--random-input-len <your typical prompt> --random-output-len <your typical output>`",
+                     f"--random-input-len <your typical prompt> --random-output-len <your typical output>`; or, "
+                     f"on a pagedserve server started with --record-lengths traffic.jsonl, replay today's traffic "
+                     f"faster: `pagedserve bench sweep --base-url {url} --dataset-name lengths --dataset-path "
+                     f"traffic.jsonl --replay-speeds 1,2,4,8` (the knee in multiples of today's load)",
                      evidence)
 
 
