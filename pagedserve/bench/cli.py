@@ -50,7 +50,7 @@ def _save(ns, result: dict, default_name: str) -> None:
 
 def cmd_bench_serve(ns: argparse.Namespace) -> None:
     from pagedserve.bench.datasets import (LENGTH_DATASETS, announce_dataset, client_tokenizer, load_dataset,
-                                           replayed_lengths)
+                                           replayed_lengths, require_recording)
     from pagedserve.bench.metrics import METRIC_KEYS, parse_goodput
     from pagedserve.bench.serve import BenchConfig, format_table, run_benchmark, served_model
 
@@ -71,9 +71,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--metric-percentiles/--goodput: {e}") from e
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ConfigError("--metric-percentiles must be in [0, 100].")
-    if ns.replay_arrivals and (ns.dataset_name != "lengths" or ns.dataset_path is None):
-        raise ConfigError("--replay-arrivals replays a recording: give --dataset-name lengths --dataset-path FILE "
-                          "(a `serve --record-lengths` file).")
+    if ns.replay_arrivals:
+        require_recording(ns, "--replay-arrivals")
     if ns.replay_arrivals and not math.isinf(ns.request_rate):
         raise ConfigError("--replay-arrivals sends each request when it was recorded; leave out --request-rate "
                           "(use --replay-speed to replay faster or slower).")

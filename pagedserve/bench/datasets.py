@@ -243,6 +243,13 @@ def _read_json(path: str):
         raise ConfigError(f"--dataset-path {path}: not valid JSON ({e}).") from e
 
 
+def require_recording(ns, flag: str) -> None:
+    """``flag`` replays a ``--record-lengths`` recording: the dataset flags must name one."""
+    if ns.dataset_name != "lengths" or ns.dataset_path is None:
+        raise ConfigError(f"{flag} replays a recording: give --dataset-name lengths --dataset-path FILE (a `serve "
+                          f"--record-lengths` file).")
+
+
 def announce_dataset(ns) -> None:
     """Read a recording up front (a bad file fails before any server starts) and say what traffic it holds."""
     if ns.dataset_name == "lengths" and ns.dataset_path is not None:

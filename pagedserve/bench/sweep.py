@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 
 import pagedserve
-from pagedserve.bench.datasets import LENGTH_DATASETS, SampleRequest
+from pagedserve.bench.datasets import LENGTH_DATASETS, SampleRequest, require_recording
 from pagedserve.bench.knee import LADDERS, KneeSettings, find_knee, parse_slo, tightest_slo
 from pagedserve.bench.metrics import METRIC_KEYS
 from pagedserve.bench.serve import BenchConfig, run_benchmark
@@ -321,9 +321,8 @@ def plan_from(ns: argparse.Namespace) -> SweepPlan:
         raise ConfigError(f"Give one of {', '.join(f for f, _ in LADDERS.values())}, not several: one ladder varies "
                           f"one thing.")
     mode, value = next(iter(given.items()), ("concurrency", "1,2,4,8,16,32"))
-    if mode == "replay" and (ns.dataset_name != "lengths" or ns.dataset_path is None):
-        raise ConfigError("--replay-speeds replays a recording: give --dataset-name lengths --dataset-path FILE "
-                          "(a `serve --record-lengths` file).")
+    if mode == "replay":
+        require_recording(ns, "--replay-speeds")
     loads = _float_list(value, LADDERS[mode][0])
     knee = KneeSettings(ns.knee_min_gain, ns.knee_latency_factor, ns.knee_kv_usage, ns.knee_max_failure_rate,
                         parse_slo(ns.slo), _names(ns.knee_signals), _names(ns.knee_latency_metrics))

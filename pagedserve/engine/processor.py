@@ -132,16 +132,15 @@ class InputProcessor:
         salt = None
         if isinstance(prompt, dict):
             prompt, salt = _unpack(prompt)
+        vocab = self.config.model.vocab_size
         if isinstance(prompt, str):
             text, ids = prompt, self.encode(prompt)
         else:
             text, ids = None, list(prompt)
-            vocab = self.config.model.vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
                 raise InvalidRequestError("prompt", f"Token ids must be integers in [0, {vocab}).")
         if not ids:
             raise InvalidRequestError("prompt", "The prompt is empty.")
-        vocab = self.config.model.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError("logit_bias", f"logit_bias names token {max(params.logit_bias)}; token ids "
                                                     f"are in [0, {vocab}).")

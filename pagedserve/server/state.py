@@ -72,10 +72,13 @@ class Admission:
         raise unavailable(f"{detail}, over the limit of {self.limits[limit]} that {where} sets ({limit}); "
                           f"retry later.", retry_after=round(self.retry_after()))
 
-    def check_room(self, n: int) -> None:
-        """The limits that need no token counts: a dead engine, and requests in flight."""
+    def check_room(self, n: int, priority: int = 0) -> None:
+        """The limits that need no token counts: a dead engine, requests in flight, the active profile's
+        least urgent priority (a shed request costs no tokenizing)."""
         if self.engine.dead is not None:
             raise EngineDeadError(f"The engine stopped: {self.engine.dead!r}")
+        if self.limits["max_priority"] is not None and priority > self.limits["max_priority"]:
+            self._refuse("max_priority", n, priority, f"A request of priority {priority}", "priority")
         q = self.limits["max_num_queued_reqs"]
         if q is not None and self.engine.num_in_flight + n > q:
             self._refuse("max_num_queued_reqs", n, n, f"This call carries {n} prompts" if n > q else
@@ -83,10 +86,8 @@ class Admission:
 
     def check(self, prompt_lens: list[int], priority: int = 0) -> None:
         """Raise unless every prompt of one API call may enter now."""
-        self.check_room(len(prompt_lens))
+        self.check_room(len(prompt_lens), priority)
         n, lim, engine = len(prompt_lens), self.limits, self.engine
-        if lim["max_priority"] is not None and priority > lim["max_priority"]:
-            self._refuse("max_priority", n, priority, f"A request of priority {priority}", "priority")
         longest, tokens = max(prompt_lens), sum(prompt_lens)
         if lim["max_input_tokens"] is not None and longest > lim["max_input_tokens"]:
             self._refuse("max_input_tokens", n, longest, f"A prompt of {longest} tokens")
@@ -122,7 +123,7 @@ class ServerState:
         """Validate every prompt and admit the call as a whole before starting any of its requests; the
         streams come in output order (prompt i's j-th sample is output i * n + j). Tokenizing runs in a
         worker thread, so a long prompt never holds up the event loop."""
-        self.admission.check_room(len(prompts) * params.n)  # a full server refuses before tokenizing anything
+        self.admission.check_room(len(prompts) * params.n, priority)  # a full server refuses before tokenizing
         inputs = self.engine.inputs
         made = await asyncio.to_thread(lambda: [r for i, p in enumerate(prompts)
                                                 for r in inputs.make_requests(f"{base_id}-{i}", p, params, priority)])

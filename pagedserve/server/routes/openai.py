@@ -75,7 +75,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState,
         params = dataclasses.replace(params, skip_special_tokens=False)  # the call markers are special tokens
     messages = [m.as_dict() for m in body.messages]
     template_args = body.template_args(settings.trust_request_chat_template, settings.tools_when_none)
-    state.admission.check_room(params.n)
+    state.admission.check_room(params.n, body.priority)
     prompt = await asyncio.to_thread(state.engine.inputs.apply_chat_template, messages, **template_args)
     streams = await state.start(rid, [body.salted(prompt)], params, body.priority)
     reasoning_parser = state.engine.config.args.reasoning_parser

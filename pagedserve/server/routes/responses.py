@@ -4,7 +4,6 @@ message, function calls — whole, or streamed as Responses events."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ from pagedserve.server.errors import status_of
 from pagedserve.server.protocol import ResponsesRequest
 from pagedserve.server.routes.openai import start_chat
 from pagedserve.server.state import ServerState, server_state
-from pagedserve.server.streaming import final_outputs, merged
+from pagedserve.server.streaming import final_outputs, merged, sse
 
 router = APIRouter()
 
@@ -62,11 +61,10 @@ async def _sse(events: AsyncIterator[dict], told: ResponseBuilder) -> AsyncItera
     ``error`` event, as OpenAI's."""
     try:
         async for event in events:
-            yield f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+            yield f"event: {event['type']}\n" + sse(event)
     except Exception as e:  # noqa: BLE001 - the status is already sent
         _, kind = status_of(e)
-        event = told.event("error", code=kind, message=str(e), param=None)
-        yield f"event: error\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+        yield "event: error\n" + sse(told.event("error", code=kind, message=str(e), param=None))
 
 
 class ResponseBuilder:
