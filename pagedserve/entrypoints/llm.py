@@ -46,8 +46,7 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. A prompt is a string, a list of
         token ids, or vLLM's dict ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``, which may carry a
         ``"cache_salt"`` (prefix-cache blocks are shared only within one salt). ``priority``: one per
-        prompt, lower first (with
-        ``scheduling_policy="priority"``)."""
+        prompt, lower first (with ``scheduling_policy="priority"``)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                   and isinstance(prompts[0], int)):
             prompts = [prompts]

@@ -38,7 +38,7 @@ _WARMUPS, _REPEATS = 2, 5
 _HOST_LEVELS = (1, 4, 16, 64, 256)  # requests in flight at which the server's host work is timed
 # a worker whose steps take no time: the server around it then runs as fast as its host allows
 FREE_STEPS = CostModel(breakpoint=1, per_token=0, per_context=0, per_prefill_work=0, fixed=0, eager_floor=0,
-                  mixed_floor=0, single=0)
+                       mixed_floor=0, single=0)
 _PACED = dataclasses.replace(FREE_STEPS, fixed=2e-3, single=2e-3)  # ... and one whose steps take 2 ms each
 
 
