@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -265,6 +266,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool = True
     include_reasoning: StrictBool = True  # false: the reasoning is left out of the answer
 
+    @cached_property
     def tool_mode(self) -> tuple[str, str | None]:
         """("none" | "auto" | "required" | "named", the named function): tool_choice left out is "auto"
         with tools and "none" without, as in OpenAI's API."""
@@ -286,7 +288,7 @@ class ChatCompletionRequest(_SamplingFields):
         return choice, None
 
     def _forced_output(self) -> dict:
-        mode, name = self.tool_mode()
+        mode, name = self.tool_mode
         if mode not in ("named", "required"):
             return {}
         schema = forced_schema([t.function.model_dump() for t in self.tools], name, self.parallel_tool_calls)
@@ -295,7 +297,7 @@ class ChatCompletionRequest(_SamplingFields):
     def template_args(self, trust_request_template: bool, tools_when_none: bool = True) -> dict:
         """Keyword arguments for the chat template (``template_args``), the tools left out when the request
         will not call them and the server says so (--exclude-tools-when-tool-choice-none)."""
-        with_tools = tools_when_none or self.tool_mode()[0] != "none"
+        with_tools = tools_when_none or self.tool_mode[0] != "none"
         return template_args(self, trust_request_template, self.tools if with_tools else None)
 
     def sampling_params(self, defaults: dict) -> SamplingParams:

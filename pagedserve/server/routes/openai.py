@@ -65,7 +65,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState,
     """Render a conversation and start its ``n`` requests: their output streams, each one's output parser
     (reasoning, tool calls) and the sampling parameters (shared by the chat and the Responses API)."""
     settings = state.settings
-    mode, function = body.tool_mode()
+    mode, function = body.tool_mode
     if mode == "auto" and settings.tool_call_parser is None:
         raise InvalidRequestError("tool_choice", "tool_choice \"auto\" needs a server started with "
                                                  "--enable-auto-tool-choice and --tool-call-parser; or send "
