@@ -114,18 +114,30 @@ def test_hermes_calls_come_out_of_the_text_and_anything_else_stays_content():
     assert "".join(c["function"].get("arguments", "") for _, calls in cut for c in calls) == '{"zone": "C'
 
 
-def test_llama3_json_calls_are_the_whole_answer_or_none_of_it():
+def test_llama3_json_calls_stream_and_what_does_not_parse_stays_content():
     two = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", "parameters": {}}'
     cases = [
         (two, "", [("get_time", {"zone": "UTC"}), ("get_weather", {})]),
         (' {"name": "get_time", "arguments": {"zone": "CET"}}', "", [("get_time", {"zone": "CET"})]),
         ("The time is noon.\n", "The time is noon.\n", []),
-        ('{"not": "a call"}', '{"not": "a call"}', []),
+        (' {"not": "a call"}', ' {"not": "a call"}', []),
         ('{"name": "get_time", "param', '{"name": "get_time", "param', []),
+        # parameters with braces and quotes inside strings; a call whose name comes last is read at the end
+        ('{"name": "f", "parameters": {"q": "a } \\" ]"}} ; {"parameters": {"x": 2}, "name": "g"}', "",
+         [("f", {"q": 'a } " ]'}), ("g", {"x": 2})]),
+        # after a streamed call, text that is no call is content
+        ('{"name": "f", "parameters": {"x": 1}}\nDone.', "\nDone.", [("f", {"x": 1})]),
     ]
     for text, content, expected in cases:
-        for step in (1, 3, len(text)):
+        for step in (1, 3, 7, len(text)):
             assert joined(pieces(Llama3JsonParser, text, step)) == (content, expected), (text, step)
+    # the second call is announced before the answer ends, its parameters arriving piece by piece
+    got = pieces(Llama3JsonParser, two.replace("{}", '{"city": "Oslo", "unit": "celsius"}'), 4)
+    second = next(i for i, (_, calls) in enumerate(got) if any(c["index"] == 1 for c in calls))
+    assert second < len(got) - 4 and got[second][1][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert len([c for _, calls in got[second:] for c in calls]) > 4
+    cut = pieces(Llama3JsonParser, '{"name": "get_time", "parameters": {"zone": "C', 4)
+    assert "".join(c["function"].get("arguments", "") for _, calls in cut for c in calls) == '{"zone": "C'
 
 
 def test_mistral_calls_in_both_of_its_formats():

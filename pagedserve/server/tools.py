@@ -174,16 +174,26 @@ class HermesParser(ToolCallParser):
         return content + self.rest(), calls
 
 
+# how a Llama 3 JSON call opens (after the answer's start or the last call's ``;``), up to its arguments
+_LLAMA3_HEAD = re.compile(r'[\s;]*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*'
+                          r'(?=[\[{])')
+_LLAMA3_CLOSE = re.compile(r"\s*\}")
+
+
 class Llama3JsonParser(ToolCallParser):
     """Llama 3.1+ JSON calls: an answer that opens with ``{`` (or ``<|python_tag|>``) is one or more
-    ``{"name": ..., "parameters": {...}}`` objects separated by ``;``. Such an answer is held to its end
-    and parsed whole; any other answer streams as content."""
+    ``{"name": ..., "parameters": {...}}`` objects separated by ``;``; any other answer streams as content.
+    Calls that open that way are announced as their parameters begin, which go out as they are written; from
+    the first object that does not, the rest is judged at the end: calls if it parses, else content."""
 
     TAG = "<|python_tag|>"
 
     def __init__(self):
         super().__init__()
         self.buf, self.mode = "", "lead"
+        self.pos = 0                           # where the next call may open in ``buf``
+        self.args: _JsonExtent | None = None  # the open call's streamed parameters
+        self.sent = 0                          # ... sent up to here in ``buf``
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.mode == "lead":
@@ -193,17 +203,41 @@ class Llama3JsonParser(ToolCallParser):
                 return "", []
             self.mode = "calls" if head.startswith(("{", self.TAG)) else "text"
             if self.mode == "calls":
-                return "", []
+                self.pos = len(self.buf) - len(head) + (len(self.TAG) if head.startswith(self.TAG) else 0)
+                return "", self._stream()
             text, self.buf = self.buf, ""
         elif self.mode == "calls":
             self.buf += text
-            return "", []
+            return "", self._stream()
         return self.text(text), []
 
+    def _stream(self) -> list[dict]:
+        """Each call whose head is written, then its parameters' new text; on past a call once it closes."""
+        calls = []
+        while True:
+            if self.args is None:
+                head = _LLAMA3_HEAD.match(self.buf, self.pos, min(len(self.buf), self.pos + HEAD_LIMIT))
+                if head is None:
+                    return calls
+                self.args, self.sent = _JsonExtent(head.end()), head.end()
+                calls.append(self.call(json.loads(head.group(1), strict=False), ""))
+            reach = self.args.reach(self.buf)
+            if reach > self.sent:
+                calls.append({"index": self.calls - 1, "function": {"arguments": self.buf[self.sent:reach]}})
+                self.sent = reach
+            close = None if self.args.end is None else _LLAMA3_CLOSE.match(self.buf, self.args.end)
+            if close is None:
+                return calls
+            self.pos, self.args = close.end(), None
+
     def finish(self) -> tuple[str, list[dict]]:
-        held, self.buf = self.buf, ""
+        """What no streamed call took: calls if it parses as such, else content (a call cut short keeps the
+        parameters it got, as its stream already said)."""
+        held, self.buf = (self.buf[self.pos:] if self.calls else self.buf), ""
         if self.mode != "calls":
             return self.text(held) + self.rest(), []
+        if self.args is not None or not held.strip(" \t\r\n;"):
+            return "", []
         source, found, pos = held.strip().removeprefix(self.TAG), [], 0
         decoder = json.JSONDecoder(strict=False)
         try:
