@@ -147,11 +147,26 @@ def test_mistral_calls_in_both_of_its_formats():
         ('Checking.[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
          "Checking.", [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Rome"})]),
         ("No calls [TOOL here.", "No calls [TOOL here.", []),
-        ("[TOOL_CALLS]get_time[ARGS]{broken", "[TOOL_CALLS]get_time[ARGS]{broken", []),
+        ("[TOOL_CALLS] not a call", "[TOOL_CALLS] not a call", []),
+        # a call whose name comes after its arguments is read at the end
+        ('[TOOL_CALLS] [{"arguments": {"x": 1}, "name": "f"}]', "", [("f", {"x": 1})]),
     ]
     for text, content, expected in cases:
         for step in (1, 3, 7, len(text)):
             assert joined(pieces(MistralParser, text, step)) == (content, expected), (text, step)
+    # both formats stream: each call announced as its arguments begin, which arrive piece by piece; a call
+    # cut short keeps what it got
+    for text in ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", '
+                 '"arguments": {"city": "Oslo", "unit": "celsius"}}]',
+                 '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", '
+                 '"unit": "celsius"}'):
+        got = pieces(MistralParser, text, 4)
+        second = next(i for i, (_, calls) in enumerate(got) if any(c["index"] == 1 for c in calls))
+        assert next(c for c in got[second][1] if c["index"] == 1)["function"] == {"name": "get_weather",
+                                                                                 "arguments": ""}
+        assert len([c for _, calls in got[second:] for c in calls]) > 4, text
+    cut = pieces(MistralParser, "[TOOL_CALLS]get_time[ARGS]{broken", 4)
+    assert "".join(c["function"].get("arguments", "") for _, calls in cut for c in calls) == "{broken"
 
 
 def test_required_calls_cut_short_are_returned_as_text():

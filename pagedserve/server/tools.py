@@ -62,10 +62,12 @@ class ToolCallParser:
         return "" if self.calls else rest
 
 
+_JSON_STRING = r'"(?:[^"\\]|\\.)*"'
+
 # how a Hermes call opens, up to its arguments' object or array: from there they can be streamed; a block
 # whose first HEAD_LIMIT characters hold no such head is judged whole at its end (the search is not
 # repeated over an ever longer text, token after token)
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=[\[{])')
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(' + _JSON_STRING + r')\s*,\s*"arguments"\s*:\s*(?=[\[{])')
 HEAD_LIMIT = 512
 
 
@@ -174,26 +176,82 @@ class HermesParser(ToolCallParser):
         return content + self.rest(), calls
 
 
-# how a Llama 3 JSON call opens (after the answer's start or the last call's ``;``), up to its arguments
-_LLAMA3_HEAD = re.compile(r'[\s;]*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*'
-                          r'(?=[\[{])')
-_LLAMA3_CLOSE = re.compile(r"\s*\}")
+class _NameFirstCalls(ToolCallParser):
+    """Formats whose calls run one after another, each a head that names the function and then its arguments
+    (JSON): a call is announced as its arguments begin, and they go out as written (their raw JSON, to the
+    closing bracket). From the first call that does not open that way (say, its name after its arguments)
+    the rest is judged at the end: calls if ``whole`` reads it so, else content."""
 
-
-class Llama3JsonParser(ToolCallParser):
-    """Llama 3.1+ JSON calls: an answer that opens with ``{`` (or ``<|python_tag|>``) is one or more
-    ``{"name": ..., "parameters": {...}}`` objects separated by ``;``; any other answer streams as content.
-    Calls that open that way are announced as their parameters begin, which go out as they are written; from
-    the first object that does not, the rest is judged at the end: calls if it parses, else content."""
-
-    TAG = "<|python_tag|>"
+    HEAD: re.Pattern   # a call's opening up to its arguments, naming it in ``json_name`` or ``bare_name``
+    SEPARATORS: str    # what may stand between and after calls
 
     def __init__(self):
         super().__init__()
-        self.buf, self.mode = "", "lead"
+        self.buf = ""
         self.pos = 0                           # where the next call may open in ``buf``
-        self.args: _JsonExtent | None = None  # the open call's streamed parameters
+        self.args: _JsonExtent | None = None  # the open call's streamed arguments
         self.sent = 0                          # ... sent up to here in ``buf``
+        self.closer: re.Pattern | None = None  # what ends the open call after its arguments
+
+    def _stream(self) -> list[dict]:
+        """Each call whose head is written, then its arguments' new text; on past a call once it ends."""
+        calls = []
+        while True:
+            if self.args is None:
+                head = self.HEAD.match(self.buf, self.pos, min(len(self.buf), self.pos + HEAD_LIMIT))
+                if head is None:
+                    return calls
+                self.args, self.sent = _JsonExtent(head.end()), head.end()
+                named = head.groupdict()
+                json_name = named.get("json_name")
+                self.closer = _OBJECT_CLOSE if json_name is not None else _NOTHING  # a {"name": ...} ends in }
+                name = named["bare_name"] if json_name is None else json.loads(json_name, strict=False)
+                calls.append(self.call(name, ""))
+            reach = self.args.reach(self.buf)
+            if reach > self.sent:
+                calls.append({"index": self.calls - 1, "function": {"arguments": self.buf[self.sent:reach]}})
+                self.sent = reach
+            end = None if self.args.end is None else self.closer.match(self.buf, self.args.end)
+            if end is None:
+                return calls
+            self.pos, self.args = end.end(), None
+
+    def whole(self, text: str) -> list[tuple[str, str]]:
+        """The (name, arguments) of the calls ``text`` holds, read at once; ValueError or KeyError or
+        TypeError if it holds something else."""
+        raise NotImplementedError
+
+    def _finish_calls(self) -> tuple[str, list[dict]]:
+        """What no streamed call took: calls if ``whole`` reads it so, else content (a call cut short keeps
+        the arguments it got, as its stream already said)."""
+        held, self.buf = (self.buf[self.pos:] if self.calls else self.buf), ""
+        if self.args is not None or (self.calls and not held.strip(self.SEPARATORS)):
+            return "", []
+        try:
+            found = self.whole(held)
+            if not found:
+                raise ValueError("no call")
+        except (ValueError, KeyError, TypeError):  # JSONDecodeError is a ValueError
+            return self.text(held) + self.rest(), []
+        self.space = ""
+        return "", [self.call(name, args) for name, args in found]
+
+
+_OBJECT_CLOSE, _NOTHING = re.compile(r"\s*\}"), re.compile("")
+
+
+class Llama3JsonParser(_NameFirstCalls):
+    """Llama 3.1+ JSON calls: an answer that opens with ``{`` (or ``<|python_tag|>``) is one or more
+    ``{"name": ..., "parameters": {...}}`` objects separated by ``;``; any other answer streams as content."""
+
+    TAG = "<|python_tag|>"
+    HEAD = re.compile(r'[\s;]*\{\s*"name"\s*:\s*(?P<json_name>' + _JSON_STRING +
+                      r')\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=[\[{])')
+    SEPARATORS = " \t\r\n;"
+
+    def __init__(self):
+        super().__init__()
+        self.mode = "lead"
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.mode == "lead":
@@ -211,48 +269,24 @@ class Llama3JsonParser(ToolCallParser):
             return "", self._stream()
         return self.text(text), []
 
-    def _stream(self) -> list[dict]:
-        """Each call whose head is written, then its parameters' new text; on past a call once it closes."""
-        calls = []
+    def whole(self, text: str) -> list[tuple[str, str]]:
+        source, found, pos = text.strip().removeprefix(self.TAG), [], 0
+        decoder = json.JSONDecoder(strict=False)
         while True:
-            if self.args is None:
-                head = _LLAMA3_HEAD.match(self.buf, self.pos, min(len(self.buf), self.pos + HEAD_LIMIT))
-                if head is None:
-                    return calls
-                self.args, self.sent = _JsonExtent(head.end()), head.end()
-                calls.append(self.call(json.loads(head.group(1), strict=False), ""))
-            reach = self.args.reach(self.buf)
-            if reach > self.sent:
-                calls.append({"index": self.calls - 1, "function": {"arguments": self.buf[self.sent:reach]}})
-                self.sent = reach
-            close = None if self.args.end is None else _LLAMA3_CLOSE.match(self.buf, self.args.end)
-            if close is None:
-                return calls
-            self.pos, self.args = close.end(), None
+            while pos < len(source) and source[pos] in self.SEPARATORS:
+                pos += 1
+            if pos == len(source):
+                return found
+            obj, pos = decoder.raw_decode(source, pos)
+            found.append((obj["name"], _arguments(obj.get("parameters", obj.get("arguments", {})))))
+            if not isinstance(found[-1][0], str):
+                raise TypeError("a call's name is a string")
 
     def finish(self) -> tuple[str, list[dict]]:
-        """What no streamed call took: calls if it parses as such, else content (a call cut short keeps the
-        parameters it got, as its stream already said)."""
-        held, self.buf = (self.buf[self.pos:] if self.calls else self.buf), ""
         if self.mode != "calls":
+            held, self.buf = self.buf, ""
             return self.text(held) + self.rest(), []
-        if self.args is not None or not held.strip(" \t\r\n;"):
-            return "", []
-        source, found, pos = held.strip().removeprefix(self.TAG), [], 0
-        decoder = json.JSONDecoder(strict=False)
-        try:
-            while True:
-                while pos < len(source) and source[pos] in " \t\r\n;":
-                    pos += 1
-                if pos == len(source):
-                    break
-                obj, pos = decoder.raw_decode(source, pos)
-                if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
-                    raise ValueError("not a call")
-                found.append((obj["name"], _arguments(obj.get("parameters", obj.get("arguments", {})))))
-        except ValueError:  # JSONDecodeError is one: what does not parse as calls is the answer's text
-            return self.text(held) + self.rest(), []
-        return "", [self.call(name, args) for name, args in found]
+        return self._finish_calls()
 
 
 class NamedCallParser(ToolCallParser):
@@ -295,50 +329,52 @@ class RequiredCallsParser(ToolCallParser):
             return held, []
 
 
-class MistralParser(ToolCallParser):
+class MistralParser(_NameFirstCalls):
     """Mistral's calls, after its ``[TOOL_CALLS]`` marker: a JSON list of {"name", "arguments"} (v3
     tokenizers: Mistral-7B-Instruct-v0.3, Nemo, Small) or ``name[ARGS]{...}`` per call (v11 and later).
     The markers are special tokens, so these requests keep special tokens in their text. Text before the
-    first marker streams as content; from it on, the answer is held to its end and parsed whole."""
+    first marker streams as content; the calls stream from it on."""
 
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    HEAD = re.compile(r'(?:\s*\[TOOL_CALLS\]\s*\[?|\s*,)\s*(?:\{\s*"name"\s*:\s*(?P<json_name>' + _JSON_STRING +
+                      r')\s*,\s*"arguments"\s*:\s*|(?P<bare_name>[\w.-]+)\s*\[ARGS\]\s*)(?=[\[{])')
+    SEPARATORS = " \t\r\n]"
     keeps_special_tokens = True
 
     def __init__(self):
         super().__init__()
-        self.buf, self.calling = "", False
+        self.calling = False
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buf += text
         if self.calling:
-            return "", []
+            return "", self._stream()
         at = self.buf.find(self.TAG)
         if at >= 0:
             content, self.buf, self.calling = self.text(self.buf[:at]), self.buf[at:], True
-            return content, []
+            return content, self._stream()
         keep = partial_tail(self.buf, self.TAG)
         content, self.buf = self.text(self.buf[:len(self.buf) - keep]), self.buf[len(self.buf) - keep:]
         return content, []
 
-    def finish(self) -> tuple[str, list[dict]]:
-        held, self.buf = self.buf, ""
-        if not self.calling:
-            return self.text(held) + self.rest(), []
+    def whole(self, text: str) -> list[tuple[str, str]]:
         found = []
-        try:
-            for part in held.split(self.TAG)[1:]:
-                if self.ARGS in part:
-                    name, args = (s.strip() for s in part.split(self.ARGS, 1))
-                    json.loads(args, strict=False)  # the arguments must be JSON; they go out as written
-                    found.append((name, args))
-                    continue
-                listed = json.loads(part, strict=False)
-                for item in listed if isinstance(listed, list) else [listed]:
-                    found.append((item["name"], _arguments(item.get("arguments", {}))))
-        except (json.JSONDecodeError, KeyError, TypeError):
+        for part in text.split(self.TAG)[1:]:
+            if self.ARGS in part:
+                name, args = (s.strip() for s in part.split(self.ARGS, 1))
+                json.loads(args, strict=False)  # the arguments must be JSON; they go out as written
+                found.append((name, args))
+                continue
+            listed = json.loads(part, strict=False)
+            for item in listed if isinstance(listed, list) else [listed]:
+                found.append((item["name"], _arguments(item.get("arguments", {}))))
+        return found
+
+    def finish(self) -> tuple[str, list[dict]]:
+        if not self.calling:
+            held, self.buf = self.buf, ""
             return self.text(held) + self.rest(), []
-        self.space = ""
-        return "", [self.call(name, args) for name, args in found]
+        return self._finish_calls()
 
 
 TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
