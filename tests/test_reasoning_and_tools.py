@@ -16,7 +16,8 @@ import pytest
 from pagedserve.cli import main
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.reasoning import ReasoningSplitter, prompt_state
-from pagedserve.server.tools import HermesParser, Llama3JsonParser, MistralParser, RequiredCallsParser
+from pagedserve.server.tools import (HermesParser, Llama3JsonParser, MistralParser, PythonicParser,
+                                    RequiredCallsParser)
 from tests.serving import running_server
 
 ENGINE = ("--kv-cache-memory", "16MiB", "--max-model-len", "1024")
@@ -167,6 +168,32 @@ def test_mistral_calls_in_both_of_its_formats():
         assert len([c for _, calls in got[second:] for c in calls]) > 4, text
     cut = pieces(MistralParser, "[TOOL_CALLS]get_time[ARGS]{broken", 4)
     assert "".join(c["function"].get("arguments", "") for _, calls in cut for c in calls) == "{broken"
+
+
+def test_pythonic_calls_go_out_one_by_one_as_json():
+    cases = [
+        ('[get_time(zone="UTC"), get_weather(city=\'Oslo\', days=3, hourly=False, at=(1, 2), extra=None)]', "",
+         [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "days": 3, "hourly": False,
+                                                          "at": [1, 2], "extra": None})]),
+        # brackets, parentheses and quotes inside strings, triple quotes, nested literals, no arguments
+        (' [f(q="a ) ] \\" (", d={"k": [1, {"x": "]"}]}, t=\'\'\'it\'s\'\'\'), g()]\n', "",
+         [("f", {"q": 'a ) ] " (', "d": {"k": [1, {"x": "]"}]}, "t": "it's"}), ("g", {})]),
+        ("The time is noon.", "The time is noon.", []),
+        ("[1, 2, 3]", "[1, 2, 3]", []),
+        ("[]", "[]", []),
+        # a positional argument, a value that is not a literal, a call cut short: content from there on
+        ('[f(x=1), g(2)]', " g(2)]", [("f", {"x": 1})]),
+        ('[f(x=open("a"))]', '[f(x=open("a"))]', []),
+        ('[f(x=1), g(y="ab', ' g(y="ab', [("f", {"x": 1})]),
+        ('[f(x=1)]\nDone.', "\nDone.", [("f", {"x": 1})]),
+    ]
+    for text, content, expected in cases:
+        for step in (1, 2, 3, 7, len(text)):
+            assert joined(pieces(PythonicParser, text, step)) == (content, expected), (text, step)
+    # the first call goes out before the second is written
+    got = pieces(PythonicParser, '[get_time(zone="UTC"), get_weather(city="Oslo")]', 3)
+    first = next(i for i, (_, calls) in enumerate(got) if calls)
+    assert got[first][1][0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'} and first < 10
 
 
 def test_required_calls_cut_short_are_returned_as_text():

@@ -11,6 +11,7 @@ control characters raw inside strings.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -289,6 +290,99 @@ class Llama3JsonParser(_NameFirstCalls):
         return self._finish_calls()
 
 
+class PythonicParser(ToolCallParser):
+    """Python-call lists (Llama 3.2, Llama 4; vLLM's ``pythonic``): an answer that opens with ``[`` is a list
+    ``[name(arg=value, ...), ...]`` whose values are Python literals, which become JSON arguments. Each call
+    goes out once its closing parenthesis is written; from the first item that is not such a call, the rest
+    is content, as is any other answer."""
+
+    def __init__(self):
+        super().__init__()
+        self.buf, self.mode = "", "lead"
+        self.scan = 0           # characters of ``buf`` walked
+        self.depth = 0          # brackets open at ``scan``
+        self.quote = ""         # the string ``scan`` is in ('', or its quote: ', ", ''' or """)
+        self.escape = False
+        self.item = 0           # where the list's current item starts
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.mode == "text":
+            return self.text(text), []
+        self.buf += text
+        if self.mode == "lead":
+            head = self.buf.lstrip()
+            if not head:
+                return "", []
+            if not head.startswith("["):
+                self.mode, text, self.buf = "text", self.buf, ""
+                return self.text(text), []
+            self.mode, self.scan = "calls", len(self.buf) - len(head)
+            self.item = self.scan + 1
+        return "", self._walk() if self.mode == "calls" else []
+
+    def _walk(self) -> list[dict]:
+        """The calls completed by the characters not walked yet."""
+        calls, buf, i = [], self.buf, self.scan
+        while i < len(buf) and self.mode == "calls":
+            c = buf[i]
+            if self.quote:
+                if self.escape:
+                    self.escape = False
+                elif c == "\\":
+                    self.escape = True
+                elif buf.startswith(self.quote, i):
+                    i += len(self.quote) - 1
+                    self.quote = ""
+                elif len(buf) - i < len(self.quote) and self.quote.startswith(buf[i:]):
+                    break  # perhaps a closing triple quote, not all written yet
+            elif c in "'\"":
+                if buf.startswith(c * 3, i):
+                    self.quote, i = c * 3, i + 2
+                elif i + 2 < len(buf) or buf[i + 1:i + 2] not in ("", c):
+                    self.quote = c
+                else:  # one or two quotes at the end: wait to see whether a triple quote opens here
+                    break
+            elif c in "([{":
+                self.depth += 1
+            elif c in ")]}":
+                self.depth -= 1
+                if self.depth == 1 and c == ")" or self.depth == 0:
+                    call = _python_call(buf[self.item:i + 1 if c == ")" else i])
+                    if call is None and (c == ")" or buf[self.item:i].strip()):
+                        self.mode = "rest"  # not a call: from this item on, the text is content
+                        break
+                    if call is not None:
+                        calls.append(self.call(*call))
+                    self.item = i + 1
+                    self.mode = "calls" if self.depth else "closed"
+            elif self.depth == 1 and c == "," and not buf[self.item:i].strip():
+                self.item = i + 1  # the comma after a call
+            i += 1
+        self.scan = i
+        return calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        held, self.buf = self.buf, ""
+        if self.mode in ("lead", "text") or not self.calls:
+            return self.text(held) + self.rest(), []
+        rest = held[self.item:]
+        return ("" if self.mode == "closed" and not rest.strip() else self.text(rest) + self.rest()), []
+
+
+def _python_call(text: str) -> tuple[str, str] | None:
+    """("name", JSON arguments) of ``name(key=literal, ...)``; None for anything else."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
+            return None
+        args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        if None in args:
+            return None  # **kwargs
+        return node.func.id, json.dumps(args, ensure_ascii=False)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+
+
 class NamedCallParser(ToolCallParser):
     """tool_choice naming a function: the whole output is its arguments (the grammar saw to that), streamed
     as they come."""
@@ -377,4 +471,5 @@ class MistralParser(_NameFirstCalls):
         return self._finish_calls()
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+TOOL_CALL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
+                     "pythonic": PythonicParser}
