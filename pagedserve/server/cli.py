@@ -92,7 +92,7 @@ def add_serve_parser(sub) -> None:
                    help="Let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser.")
     s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="How the model writes tool calls (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1+; "
-                        "mistral: Mistral's [TOOL_CALLS]).")
+                        "mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2 and Llama 4's [f(x=1)] lists).")
     s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="Leave the tools out of the prompt when a request's tool_choice is \"none\".")
     s.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -156,7 +156,8 @@ def build_server(ns: argparse.Namespace, worker=None):
         raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without one.")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser: say how the model writes its calls "
-                          "(hermes for Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.1+, mistral for Mistral).")
+                          "(hermes for Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.1+, mistral for Mistral, "
+                          "pythonic for Llama 3.2 and Llama 4).")
     if not 0 < ns.port < 65536:
         raise ConfigError(f"--port {ns.port} is not a TCP port.")
     config = engine_args_from(ns).create_config(serving=True)
