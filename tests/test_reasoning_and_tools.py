@@ -214,12 +214,12 @@ def test_messages_with_calls_reach_the_template_with_their_arguments_as_a_mappin
 
 
 @contextmanager
-def parsing_server(folder):
+def parsing_server(folder, *extra: str):
     """A server with TEMPLATE, Qwen3's reasoning parser and hermes tool calls: (url, openai client, app)."""
     template = folder / "chat.jinja"
     template.write_text(TEMPLATE)
     flags = (*ENGINE, "--chat-template", str(template), "--reasoning-parser", "qwen3",
-             "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *extra)
     with running_server(*flags) as (url, app):
         yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), app
 

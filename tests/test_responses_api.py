@@ -1,6 +1,6 @@
 """OpenAI's Responses API through the official SDK: text, reasoning and function calls as output items,
 whole and streamed (the SDK's own stream accumulator must rebuild the same response), conversations of
-input items, and the 400s of what a stateless server does not do."""
+input items or of stored responses, and the 400s of what the server does not do."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with parsing_server(tmp_path_factory.mktemp("template")) as (url, client, app):
+    with parsing_server(tmp_path_factory.mktemp("template"), "--max-stored-responses", "3") as (url, client, app):
         yield url, client, app
 
 
@@ -105,8 +105,50 @@ def test_function_calls_and_a_conversation_of_items(server):
     assert again.usage.input_tokens == chat["usage"]["prompt_tokens"]
 
 
+def test_stored_responses_continue_a_conversation_and_read_back(server):
+    url, client, _ = server
+    first = client.responses.create(model="tiny", input="Weather?", tools=TOOLS, max_output_tokens=80,
+                                    temperature=0, instructions="Be brief.", extra_body=scripted(
+                                        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                                        '\n</tool_call>'))
+    assert first.store and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    (call,) = first.output
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": "Snow, -3 C"}]
+    second = client.responses.create(model="tiny", previous_response_id=first.id, input=result, tools=TOOLS,
+                                     tool_choice="none", max_output_tokens=3, instructions="Be brief.")
+    assert second.previous_response_id == first.id
+    # the same prompt as the whole conversation sent as input items
+    whole = client.responses.create(model="tiny", tools=TOOLS, tool_choice="none", max_output_tokens=3,
+                                    instructions="Be brief.", store=False, input=[
+                                        {"role": "user", "content": "Weather?"},
+                                        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                         "arguments": call.arguments}, *result])
+    assert not whole.store and second.usage.input_tokens == whole.usage.input_tokens
+    missing = httpx.get(f"{url}/v1/responses/{whole.id}", timeout=30)  # store=False: never kept
+    assert missing.status_code == 404 and "stored" in missing.json()["error"]["message"]
+    with client.responses.stream(model="tiny", previous_response_id=second.id, input="And tomorrow?",
+                                 max_output_tokens=20, temperature=0, extra_body=scripted("Cold.")) as s:
+        for _ in s:
+            pass
+        streamed = s.get_final_response()
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text == "Cold."
+    client.responses.delete(second.id)
+    for _ in range(3):  # the store keeps the last three: the first response is pushed out
+        client.responses.create(model="tiny", input="Hi", max_output_tokens=1)
+    for gone in (first.id, second.id):
+        r = httpx.post(f"{url}/v1/responses", json={"input": "Hi", "previous_response_id": gone}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+
+
+def test_a_server_that_keeps_no_responses_says_how_to_keep_some(tmp_path):
+    with parsing_server(tmp_path) as (url, client, _):
+        kept = client.responses.create(model="tiny", input="Hi", max_output_tokens=1)
+        assert not kept.store
+        r = httpx.post(f"{url}/v1/responses", json={"input": "Hi", "previous_response_id": kept.id}, timeout=30)
+        assert r.status_code == 404 and "--max-stored-responses" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
@@ -115,7 +157,7 @@ def test_function_calls_and_a_conversation_of_items(server):
     ({"n": 2}, "n"),
     ({"temperature": -1}, "temperature"),
 ])
-def test_what_a_stateless_server_does_not_do_is_a_400(server, extra, param):
+def test_what_the_server_does_not_do_is_a_400(server, extra, param):
     url, _, _ = server
     r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 2, **extra},
                    timeout=30)

@@ -101,6 +101,9 @@ def add_serve_parser(sub) -> None:
                    help="Append a JSON line for each finished request (arrival time, prompt tokens and those "
                         "the prefix cache gave, output tokens; no text): the traffic's shape, which `pagedserve "
                         "bench ... --dataset-name lengths --dataset-path FILE` replays.")
+    s.add_argument("--max-stored-responses", type=int, default=0, metavar="N",
+                   help="Keep the last N responses of /v1/responses in memory (0: none, the default), to be read "
+                        "back (GET /v1/responses/ID) and continued with previous_response_id.")
     s.add_argument("--config", default=None, help="A YAML file of flags (names with - or _), as vLLM's; flags "
                                                   "on the command line win.")
     s.add_argument("--enable-log-requests", action="store_true", help="Log each request as it is admitted.")
@@ -150,6 +153,8 @@ def build_server(ns: argparse.Namespace, worker=None):
         from pagedserve.tune.profiles import load_profiles
 
         profiles = load_profiles(ns.profiles)
+    if ns.max_stored_responses < 0:
+        raise ConfigError("--max-stored-responses must be zero (keep none) or more.")
     if ns.shutdown_timeout < 0:
         raise ConfigError("--shutdown-timeout must be zero or more seconds.")
     if ns.api_key is not None and not ns.api_key.strip():
@@ -177,7 +182,7 @@ def build_server(ns: argparse.Namespace, worker=None):
                               tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
                               tools_when_none=not ns.exclude_tools_when_tool_choice_none,
                               prompt_tokens_details=ns.enable_prompt_tokens_details,
-                              record_lengths=ns.record_lengths)
+                              record_lengths=ns.record_lengths, max_stored_responses=ns.max_stored_responses)
     app = build_app(engine, settings)
     # uvicorn's own deadline comes after ours, so it finds every stream already ended
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),

@@ -346,9 +346,9 @@ class DetokenizeRequest(_Body):
 
 
 class ResponsesRequest(_Body):
-    """OpenAI's Responses API body, answered statelessly: the conversation comes whole in ``input`` (no
-    ``previous_response_id``; nothing is stored). It is carried over to a chat request, so both APIs share
-    the template, the sampling fields (vLLM's extras too: seed, top_k, stop, ...) and the output parsers."""
+    """OpenAI's Responses API body: the conversation in ``input``, after a stored response's when
+    ``previous_response_id`` names one. It is carried over to a chat request, so both APIs share the
+    template, the sampling fields (vLLM's extras too: seed, top_k, stop, ...) and the output parsers."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
@@ -361,12 +361,14 @@ class ResponsesRequest(_Body):
     text: dict[str, Any] | None = None
     stream: StrictBool = False
     previous_response_id: StrictStr | None = None
+    store: StrictBool = True
     background: StrictBool = False
 
-    def to_chat(self) -> ChatCompletionRequest:
-        if self.previous_response_id is not None:
-            raise InvalidRequestError("previous_response_id", "This server keeps no responses: send the whole "
-                                                              "conversation in input (earlier outputs included).")
+    def input_messages(self) -> list[dict]:
+        return chat_messages([{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input)
+
+    def to_chat(self, conversation: list[dict]) -> ChatCompletionRequest:
+        """The chat request of ``conversation`` (chat messages: a stored one's, then ``input_messages``)."""
         if self.background:
             raise InvalidRequestError("background", "Background responses are not kept by this server; leave out "
                                                     "background (or stream the response).")
@@ -374,8 +376,7 @@ class ResponsesRequest(_Body):
         if extra.get("n", 1) != 1:
             raise InvalidRequestError("n", "A response has one output: leave out n (or send 1).")
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
-        messages += _chat_messages([{"role": "user", "content": self.input}] if isinstance(self.input, str)
-                                   else self.input)
+        messages += conversation
         body = {**extra, "model": self.model, "messages": messages, "stream": self.stream,
                 "parallel_tool_calls": self.parallel_tool_calls}
         if self.max_output_tokens is not None:
@@ -421,7 +422,7 @@ def _text_of(content, where: str) -> str:
     return "".join(p["text"] for p in parts)
 
 
-def _chat_messages(items: list[dict]) -> list[dict]:
+def chat_messages(items: list[dict]) -> list[dict]:
     """Responses input items as chat messages: messages as they are (developer as system), a run of
     function calls as one assistant message's tool calls, a call's output as a tool message; reasoning
     items are left out (templates drop earlier reasoning)."""

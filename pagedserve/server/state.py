@@ -13,6 +13,7 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.server.errors import APIError, unavailable
 from pagedserve.server.metrics import LengthRecorder, ServerMetrics
+from pagedserve.server.response_store import ResponseStore
 
 INGRESS_LIMITS = ("max_num_queued_reqs", "max_num_queued_tokens", "max_input_tokens", "max_priority")
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class ServerSettings:
     tools_when_none: bool = True         # not --exclude-tools-when-tool-choice-none
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage names the cached prompt tokens
     record_lengths: str | None = None    # --record-lengths FILE
+    max_stored_responses: int = 0        # --max-stored-responses: Responses kept for previous_response_id
 
 
 class Admission:
@@ -107,6 +109,7 @@ class ServerState:
             self.metrics.recorder = LengthRecorder(settings.record_lengths)
         engine.observer = self.metrics
         self.admission = Admission(engine, self.metrics, settings)
+        self.responses = ResponseStore(settings.max_stored_responses)
         self.degradation = None
         if settings.profiles is not None:
             from pagedserve.server.degradation import Degradation

@@ -1,6 +1,7 @@
-"""OpenAI's Responses API (``POST /v1/responses``), stateless: the request is carried over to a chat request
-(same template, sampling and output parsers) and its output told as Responses items — reasoning, a
-message, function calls — whole, or streamed as Responses events."""
+"""OpenAI's Responses API (``/v1/responses``): the request is carried over to a chat request (same template,
+sampling and output parsers) and its output told as Responses items — reasoning, a message, function
+calls — whole, or streamed as Responses events. With ``--max-stored-responses`` the last responses are
+kept, to be read back and continued (``previous_response_id``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from pagedserve.outputs import RequestOutput
 from pagedserve.server.chat_output import ChatDelta
 from pagedserve.server.errors import status_of
-from pagedserve.server.protocol import ResponsesRequest
+from pagedserve.server.protocol import ResponsesRequest, chat_messages
 from pagedserve.server.routes.openai import start_chat
 from pagedserve.server.state import ServerState, server_state
 from pagedserve.server.streaming import final_outputs, merged, sse
@@ -25,14 +26,22 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, raw: Request, state: ServerState = Depends(server_state)):
     model = state.check_model(body.model)
-    chat = body.to_chat()
+    earlier = ([] if body.previous_response_id is None else
+               state.responses.get(body.previous_response_id, "previous_response_id")[1])
+    conversation = earlier + body.input_messages()
     rid = f"resp_{uuid.uuid4().hex}"
-    (stream,), (parser,), params = await start_chat(chat, state, rid)
+    (stream,), (parser,), params = await start_chat(body.to_chat(conversation), state, rid)
+    store = body.store and state.responses.size > 0
     echo = {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
-            "parallel_tool_calls": body.parallel_tool_calls, "text": body.text or {"format": {"type": "text"}}}
+            "parallel_tool_calls": body.parallel_tool_calls, "text": body.text or {"format": {"type": "text"}},
+            "previous_response_id": body.previous_response_id, "store": store}
     told = ResponseBuilder(rid, model, echo, state.engine.tokenizer)
+
+    def keep() -> None:  # the conversation goes on from this response's output (reasoning left out)
+        if store:
+            state.responses.put(told.final, conversation + chat_messages([dict(i) for i in told.items]))
     if body.stream:
         async def events() -> AsyncIterator[dict]:
             yield told.event("response.created", response=told.response("in_progress"))
@@ -45,6 +54,7 @@ async def responses(body: ResponsesRequest, raw: Request, state: ServerState = D
                 if out.finished:
                     for event in told.finish(out, tokens):
                         yield event
+                    keep()
 
         return StreamingResponse(_sse(events(), told), media_type="text/event-stream")
     finals = await final_outputs(raw, [stream])
@@ -53,7 +63,19 @@ async def responses(body: ResponsesRequest, raw: Request, state: ServerState = D
     out = finals[0]
     told.feed(parser.feed(out.outputs[0].text, last=True))
     told.finish(out, len(out.outputs[0].token_ids))
+    keep()
     return told.final
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, state: ServerState = Depends(server_state)):
+    return state.responses.get(response_id)[0]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, state: ServerState = Depends(server_state)):
+    state.responses.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
 async def _sse(events: AsyncIterator[dict], told: ResponseBuilder) -> AsyncIterator[str]:
@@ -88,7 +110,7 @@ class ResponseBuilder:
     def response(self, status: str, usage: dict | None = None, incomplete: dict | None = None) -> dict:
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": [dict(i) for i in self.items], "error": None,
-                "incomplete_details": incomplete, "previous_response_id": None, "store": False,
+                "incomplete_details": incomplete,
                 "reasoning": {"effort": None, "summary": None}, "truncation": "disabled", "metadata": {},
                 "user": None, "usage": usage, **self.echo}
 
