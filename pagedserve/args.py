@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import logging
 import sys
 import typing
@@ -53,7 +54,7 @@ def engine_flags(args: EngineArgs) -> list[str]:
         if isinstance(value, bool):
             flags.append(name if value else "--no-" + name[2:])
         else:
-            flags += [name, str(value)]
+            flags += [name, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
 
 

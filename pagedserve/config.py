@@ -178,32 +178,46 @@ _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """What the model's authors recommend in ``generation_config.json``: default sampling parameters for
-    requests that leave them unset, a default output length, and more end-of-sequence tokens."""
+    """What the model's authors recommend in ``generation_config.json``, with the operator's overrides:
+    default sampling parameters for requests that leave them unset, a default output length, and more
+    end-of-sequence tokens."""
 
     sampling: dict[str, float]
     max_tokens: int | None   # max_new_tokens: the output length of a request that sets none
     eos_token_ids: tuple[int, ...]
-    file: Path | None = None
+    source: str | None = None  # where the defaults came from, for the log
 
     @classmethod
-    def read(cls, choice: str, source: ModelSource) -> GenerationDefaults:
+    def read(cls, choice: str, source: ModelSource, override: str | dict | None = None) -> GenerationDefaults:
         """``choice`` is --generation-config: auto (the model folder's file, if it has one), vllm (none), or
-        a folder with a generation_config.json."""
-        if choice == "vllm" or (choice == "auto" and source.path is None):
-            return cls({}, None, ())
-        folder = source.path if choice == "auto" else Path(os.path.expanduser(choice))
-        file = folder / "generation_config.json"
-        if not file.is_file():
-            if choice == "auto":
-                return cls({}, None, ())
-            raise ConfigError(f"{flag('generation_config')}: {str(folder)!r} has no generation_config.json (or pass "
-                              f"auto for the model folder's, vllm for none).")
-        try:
-            cfg = json.loads(file.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{flag('generation_config')}: {str(file)!r} could not be read as JSON ({e}). Fix it, or "
-                              f"pass --generation-config vllm to ignore it.") from e
+        a folder with a generation_config.json; ``override`` (--override-generation-config, JSON or a
+        mapping) sets values over the file's."""
+        cfg, where = {}, []
+        if not (choice == "vllm" or (choice == "auto" and source.path is None)):
+            folder = source.path if choice == "auto" else Path(os.path.expanduser(choice))
+            file = folder / "generation_config.json"
+            if file.is_file():
+                try:
+                    cfg = json.loads(file.read_text())
+                except (OSError, ValueError) as e:
+                    raise ConfigError(f"{flag('generation_config')}: {str(file)!r} could not be read as JSON ({e}). "
+                                      f"Fix it, or pass --generation-config vllm to ignore it.") from e
+                where.append(str(file))
+            elif choice != "auto":
+                raise ConfigError(f"{flag('generation_config')}: {str(folder)!r} has no generation_config.json (or "
+                                  f"pass auto for the model folder's, vllm for none).")
+        fix = "Fix the file, or pass --generation-config vllm to ignore it."
+        if override is not None:
+            extra = _override_mapping(override)
+            cls._checked(extra, f"{flag('override_generation_config')}:", "Fix the value, or leave the flag out.")
+            cfg, fix = {**cfg, **extra}, "Fix the file, or override the value with --override-generation-config."
+            where.append("--override-generation-config")
+        defaults = cls._checked(cfg, f"{flag('generation_config')}: {where[0] if where else ''!r}:", fix)
+        return cls(*defaults, " and ".join(where) or None)
+
+    @staticmethod
+    def _checked(cfg: dict, where: str, fix: str) -> tuple[dict, int | None, tuple[int, ...]]:
+        """(sampling defaults, max_tokens, eos ids) of a generation config, or a ConfigError saying what is wrong."""
         sampling = {k: cfg[k] for k in _GENERATION_DEFAULTS if cfg.get(k) is not None}
         max_tokens, eos = cfg.get("max_new_tokens"), cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -217,13 +231,27 @@ class GenerationDefaults:
                 raise InvalidRequestError("top_k", f"top_k must be an integer, got {sampling['top_k']!r}.")
             SamplingParams(**sampling)
         except (InvalidRequestError, TypeError) as e:
-            raise ConfigError(f"{flag('generation_config')}: {str(file)!r}: {e} Fix the file, or pass "
-                              f"--generation-config vllm to ignore it.") from e
-        return cls(sampling, max_tokens, eos_ids, file)
+            raise ConfigError(f"{where} {e} {fix}") from e
+        return sampling, max_tokens, eos_ids
 
     def describe(self) -> str:
         values = {**self.sampling, **({"max_tokens": self.max_tokens} if self.max_tokens else {})}
         return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+def _override_mapping(value: str | dict) -> dict:
+    """--override-generation-config's value (JSON text on the command line, a mapping from Python or YAML)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{flag('override_generation_config')}: {value!r} is not JSON ({e}); give an object "
+                              f"such as '{{\"temperature\": 0.6}}'.") from e
+    allowed = (*_GENERATION_DEFAULTS, "max_new_tokens")
+    if not isinstance(value, dict) or set(value) - set(allowed):
+        raise ConfigError(f"{flag('override_generation_config')}: {value!r}: give an object of "
+                          f"{', '.join(allowed)}.")
+    return value
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,6 +300,7 @@ class EngineArgs:
     load_format: str = _arg("auto", "auto/safetensors: read *.safetensors; dummy: random weights of the architecture.")
     seed: int = _arg(0, "Seed for dummy weights and for sampling without a per-request seed.")
     generation_config: str = _arg("auto", "Default sampling parameters for requests that leave them unset: auto (the model folder's generation_config.json, as its authors recommend: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; its eos_token_id also ends a sequence), vllm (neutral defaults; the file is ignored), or a folder with a generation_config.json.")
+    override_generation_config: str | None = _arg(None, "Sampling defaults over the generation config's, as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' (keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): merged onto the model's file with --generation-config auto, used alone with vllm.")
     reasoning_parser: str | None = _arg(None, "A reasoning model's <think> convention: qwen3 (Qwen3) or deepseek_r1 (DeepSeek-R1, QwQ). The server returns the reasoning apart from the answer (reasoning_content), and a structured-output grammar holds only from the end of the reasoning.")
     max_model_len: int | None = _arg(None, "Context length (prompt + output); accepts 8k-style values. Default: the model's max_position_embeddings.", size=True)
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
@@ -316,7 +345,7 @@ class EngineArgs:
         if self.load_format not in _LOAD_FORMATS:
             raise ConfigError(f"{flag('load_format')}: {self.load_format!r} is not one of {', '.join(_LOAD_FORMATS)}.")
         source = resolve_model(self.model, "dummy" if plan_for else self.load_format)
-        generation = GenerationDefaults.read(self.generation_config, source)
+        generation = GenerationDefaults.read(self.generation_config, source, self.override_generation_config)
         model_config = ModelConfig.from_hf_dict(source.hf_config)
 
         device = torch.device(plan_for) if plan_for else self._resolve_device()

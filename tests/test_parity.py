@@ -258,6 +258,19 @@ def test_generation_config_defaults_as_vllm_applies_them(tmp_path, tiny_path, ca
         chat = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "Hi"}],
                                               temperature=0, extra_body={"ignore_eos": True})
         assert chat.usage.completion_tokens == 7  # max_new_tokens
+    # the operator's overrides: over the file's values, or alone
+    over = LLM(str(model), kv_cache_memory="16MiB", max_model_len=1024,
+               override_generation_config='{"temperature": 0.2, "max_new_tokens": 3}')
+    d = over.get_default_sampling_params()
+    assert (d.temperature, d.top_k, d.repetition_penalty) == (0.2, 20, 1.3)
+    assert 1 <= len(over.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids) <= 3
+    alone = LLM(str(model), kv_cache_memory="16MiB", max_model_len=1024, generation_config="vllm",
+                override_generation_config={"top_k": 5})
+    assert alone.get_default_sampling_params() == SamplingParams(top_k=5)
+    for bad in ('{"temperature": -1}', "{temperature: 1}", '{"do_sample": true}'):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(model), *ENGINE, "--override-generation-config", bad])
+        assert e.value.code == 2 and "--override-generation-config" in capsys.readouterr().err
     (model / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     for flags in ([], ["--generation-config", str(tmp_path / "nowhere")]):
         with pytest.raises(SystemExit) as e:

@@ -59,9 +59,9 @@ class InputProcessor:
         self.max_prompt_chars = longest * config.max_model_len
         self.chat_template: str | None = None  # the server's --chat-template, over the tokenizer's
         gen = config.generation
-        if gen.file is not None and (gen.sampling or gen.max_tokens):
+        if gen.source is not None and (gen.sampling or gen.max_tokens):
             logger.warning("Requests that leave them unset get the defaults of %s: %s (--generation-config vllm "
-                           "ignores the file)", gen.file, gen.describe())
+                           "ignores a model's file)", gen.source, gen.describe())
 
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
