@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.cli import main
 from tests.serving import metric_values, running_server, serve_process, wait_until
 
 ENGINE_FLAGS = ("--kv-cache-memory", "16MiB", "--max-model-len", "1024")
@@ -234,8 +235,12 @@ def test_metrics_counters_move(server, client):
     assert moved("vllm:request_params_max_tokens_count") == 2 and moved("vllm:request_generation_tokens_count") == 2
 
 
-def test_api_key():
-    with running_server(*ENGINE_FLAGS, "--api-key", "s3cret") as (url, _):
+def test_api_key_browser_origins_request_ids_and_docs(capsys):
+    """The key guards every route but the probes; a browser's preflight needs none (CORS answers it for the
+    allowed origins only); answers carry X-Request-Id; the docs pages can be turned off."""
+    flags = ("--api-key", "s3cret", "--allowed-origins", '["http://ui.example"]', "--enable-request-id-headers",
+             "--disable-fastapi-docs")
+    with running_server(*ENGINE_FLAGS, *flags) as (url, _):
         _error(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 401)
         _error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
         ok = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret"})
@@ -244,6 +249,21 @@ def test_api_key():
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
         assert openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").models.list().data[0].id == "tiny"
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        ok = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "http://ui.example", **preflight})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ui.example"
+        other = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        key = {"Authorization": "Bearer s3cret"}
+        listed = httpx.get(f"{url}/v1/models", headers={**key, "Origin": "http://ui.example", "X-Request-Id": "r-42"})
+        assert listed.headers["access-control-allow-origin"] == "http://ui.example"
+        assert listed.headers["x-request-id"] == "r-42"
+        assert len(httpx.get(f"{url}/health").headers["x-request-id"]) == 32  # a new one
+        assert httpx.get(f"{url}/openapi.json", headers=key).status_code == 404
+        assert httpx.get(f"{url}/docs", headers=key).status_code == 404
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "tiny", *ENGINE_FLAGS, "--allowed-origins", "http://ui.example"])
+    assert e.value.code == 2 and "--allowed-origins" in capsys.readouterr().err
 
 
 def test_queue_limit_gives_503_with_retry_after():

@@ -6,9 +6,11 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.datastructures import Headers
 
 import pagedserve
@@ -64,6 +66,25 @@ class BodySizeLimit:
                 await send(message)
 
         await self.app(scope, counted, send_unless_refused)
+
+
+class RequestIdHeader:
+    """X-Request-Id on every answer: the one the request carried, or a new one (for tracing across proxies)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class Gate:
@@ -134,13 +155,18 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if state.metrics.recorder is not None:
             state.metrics.recorder.close()
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    docs = {} if settings.api_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, **docs)
     app.state.server = state
     app.state.engine, app.state.metrics = engine, state.metrics
     install_handlers(app)
 
     app.add_middleware(Gate, state=state)
-    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)  # the outer one
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)
+    if settings.request_id_headers:
+        app.add_middleware(RequestIdHeader)
+    if settings.cors is not None:  # the outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, **settings.cors)
 
     app.include_router(openai.router)
     app.include_router(responses.router)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import sys
@@ -101,6 +102,15 @@ def add_serve_parser(sub) -> None:
                    help="Append a JSON line for each finished request (arrival time, prompt tokens and those "
                         "the prefix cache gave, output tokens; no text): the traffic's shape, which `pagedserve "
                         "bench ... --dataset-name lengths --dataset-path FILE` replays.")
+    s.add_argument("--allowed-origins", type=json_list, default=["*"],
+                   help="Browser origins allowed to call the API (CORS), as a JSON list.")
+    s.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS: allowed methods, a JSON list.")
+    s.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS: allowed headers, a JSON list.")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies).")
+    s.add_argument("--enable-request-id-headers", action="store_true",
+                   help="Answer with an X-Request-Id header: the request's own, or a new id.")
+    s.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="Serve no OpenAPI schema or docs pages (/openapi.json, /docs, /redoc).")
     s.add_argument("--max-stored-responses", type=int, default=0, metavar="N",
                    help="Keep the last N responses of /v1/responses in memory (0: none, the default), to be read "
                         "back (GET /v1/responses/ID) and continued with previous_response_id.")
@@ -113,6 +123,17 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--uvicorn-log-level", default="info", help="uvicorn's own log level.")
     s.add_argument("--disable-log-stats", action="store_true", help="No periodic throughput/queue/KV log line.")
     p.set_defaults(func=cmd_serve)
+
+
+def json_list(value: str) -> list[str]:
+    """A flag's JSON list of strings, e.g. '["http://localhost:3000"]'."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON list of strings, e.g. '[\"http://localhost:3000\"]'")
+    return parsed
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -182,7 +203,10 @@ def build_server(ns: argparse.Namespace, worker=None):
                               tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
                               tools_when_none=not ns.exclude_tools_when_tool_choice_none,
                               prompt_tokens_details=ns.enable_prompt_tokens_details,
-                              record_lengths=ns.record_lengths, max_stored_responses=ns.max_stored_responses)
+                              record_lengths=ns.record_lengths, max_stored_responses=ns.max_stored_responses,
+                              cors={"allow_origins": ns.allowed_origins, "allow_methods": ns.allowed_methods,
+                                    "allow_headers": ns.allowed_headers, "allow_credentials": ns.allow_credentials},
+                              request_id_headers=ns.enable_request_id_headers, api_docs=not ns.disable_fastapi_docs)
     app = build_app(engine, settings)
     # uvicorn's own deadline comes after ours, so it finds every stream already ended
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),

@@ -36,6 +36,9 @@ class ServerSettings:
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage names the cached prompt tokens
     record_lengths: str | None = None    # --record-lengths FILE
     max_stored_responses: int = 0        # --max-stored-responses: Responses kept for previous_response_id
+    cors: dict | None = None             # CORSMiddleware's arguments (--allowed-origins ...); None: no CORS
+    request_id_headers: bool = False     # --enable-request-id-headers
+    api_docs: bool = True                # not --disable-fastapi-docs
 
 
 class Admission:
