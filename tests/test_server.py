@@ -132,7 +132,7 @@ def test_bad_chat_and_malformed_json_get_400(server):
     assert "nope" in str(e.value)
 
 
-def test_logprobs_in_both_apis(client):
+def test_logprobs_in_both_apis(server, client):
     c = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
     lp = c.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
@@ -151,6 +151,22 @@ def test_logprobs_in_both_apis(client):
                                                  stream=True))
     streamed = [t.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
     assert streamed == pytest.approx([t.logprob for t in content], abs=1e-4)
+    # tokens named by id (return_tokens_as_token_ids): the same tokens, the prompt's echoed ones too
+    ids = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0, logprobs=2, echo=True,
+                                    extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    prompt_ids = httpx.post(f"{server[0]}/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    named = [int(t.removeprefix("token_id:")) for t in ids.tokens]
+    assert named[:len(prompt_ids)] == prompt_ids and len(named) == len(prompt_ids) + 4
+    texts = [httpx.post(f"{server[0]}/detokenize", json={"tokens": [t]}).json()["prompt"]
+             for t in named[len(prompt_ids):]]
+    assert texts == lp.tokens
+    assert all(k.startswith("token_id:") for top in ids.top_logprobs[1:] for k in top)
+    by_id = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           temperature=0, logprobs=True, top_logprobs=2,
+                                           extra_body={"return_tokens_as_token_ids": True})
+    named = by_id.choices[0].logprobs.content
+    assert [t.logprob for t in named] == pytest.approx([t.logprob for t in content], abs=1e-4)
+    assert all(t.token.startswith("token_id:") and t.top_logprobs[0].token.startswith("token_id:") for t in named)
 
 
 def test_stop_strings_are_never_streamed(client):

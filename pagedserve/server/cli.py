@@ -111,6 +111,9 @@ def add_serve_parser(sub) -> None:
                    help="Answer with an X-Request-Id header: the request's own, or a new id.")
     s.add_argument("--disable-fastapi-docs", action="store_true",
                    help="Serve no OpenAPI schema or docs pages (/openapi.json, /docs, /redoc).")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="Logprobs name tokens as \"token_id:N\" instead of their text (exact for tokens that are "
+                        "part of a character); a request's return_tokens_as_token_ids overrides it.")
     s.add_argument("--max-stored-responses", type=int, default=0, metavar="N",
                    help="Keep the last N responses of /v1/responses in memory (0: none, the default), to be read "
                         "back (GET /v1/responses/ID) and continued with previous_response_id.")
@@ -206,7 +209,8 @@ def build_server(ns: argparse.Namespace, worker=None):
                               record_lengths=ns.record_lengths, max_stored_responses=ns.max_stored_responses,
                               cors={"allow_origins": ns.allowed_origins, "allow_methods": ns.allowed_methods,
                                     "allow_headers": ns.allowed_headers, "allow_credentials": ns.allow_credentials},
-                              request_id_headers=ns.enable_request_id_headers, api_docs=not ns.disable_fastapi_docs)
+                              request_id_headers=ns.enable_request_id_headers, api_docs=not ns.disable_fastapi_docs,
+                              tokens_as_ids=ns.return_tokens_as_token_ids)
     app = build_app(engine, settings)
     # uvicorn's own deadline comes after ours, so it finds every stream already ended
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),

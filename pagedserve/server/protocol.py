@@ -75,6 +75,7 @@ class _SamplingFields(_Body):
     guided_grammar: StrictStr | None = None
     priority: StrictInt = Field(default=0, ge=INT64[0], le=INT64[1])  # --scheduling-policy priority: lower first
     cache_salt: StrictStr | None = Field(default=None, min_length=1)  # prefix-cache blocks shared within a salt
+    return_tokens_as_token_ids: StrictBool | None = None  # logprobs' tokens as "token_id:N" (None: the server's)
 
     def salted(self, prompt: str | list[int]) -> str | list[int] | dict:
         """The prompt as the engine takes it: with the request's cache salt, if it has one."""

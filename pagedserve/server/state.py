@@ -39,6 +39,7 @@ class ServerSettings:
     cors: dict | None = None             # CORSMiddleware's arguments (--allowed-origins ...); None: no CORS
     request_id_headers: bool = False     # --enable-request-id-headers
     api_docs: bool = True                # not --disable-fastapi-docs
+    tokens_as_ids: bool = False          # --return-tokens-as-token-ids: logprobs name tokens "token_id:N"
 
 
 class Admission:

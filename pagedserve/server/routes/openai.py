@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplitter, prompt_state
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat_output import ChatOutputParser
@@ -35,6 +35,7 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     streams = await state.start(rid, [body.salted(p) for p in body.prompts()], params, body.priority)
     if body.echo_only:
         streams = [_prompt_only(s) for s in streams]
+    named = token_names(body, state, tokenizer)
     offsets = [0] * len(streams)  # where each choice's next text starts (logprobs' text_offset)
     echoed = [not body.echo] * len(streams)  # each choice's prompt goes out once, ahead of its text
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
@@ -47,10 +48,10 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
             text = (out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)) + text
             if entries is not None:  # the prompt's logprobs ahead of the completion's
                 ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
-                first = tokenizer.decode(out.prompt_token_ids[:1])
+                first = named(out.prompt_token_ids[0], None)
         lp = None
         if entries is not None:
-            lp, offsets[i] = _completion_logprobs(ids, entries, params.logprobs, offsets[i], first)
+            lp, offsets[i] = _completion_logprobs(ids, entries, params.logprobs, offsets[i], named, first)
         return {"index": i, "text": text, "logprobs": lp,
                 "finish_reason": c.finish_reason if out.finished else None,
                 "stop_reason": c.stop_reason if out.finished else None}
@@ -98,9 +99,10 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams, parsers, params = await start_chat(body, state, rid)
     want_lp = params.logprobs is not None
+    named = token_names(body, state, state.engine.tokenizer)
 
     def logprobs(c):
-        return _chat_logprobs(c, params.logprobs) if want_lp else None
+        return _chat_logprobs(c, params.logprobs, named) if want_lp else None
 
     started = [False] * len(streams)
 
@@ -188,25 +190,39 @@ class _Usage:
 
 
 
+TokenNamer = Callable[[int, Logprob | None], str]
+
+
+def token_names(body, state: ServerState, tokenizer) -> TokenNamer:
+    """How logprobs name a token: its text, or "token_id:N" (--return-tokens-as-token-ids, or the request's
+    return_tokens_as_token_ids), which names every token exactly, even one that is part of a character."""
+    as_ids = body.return_tokens_as_token_ids
+    if as_ids if as_ids is not None else state.settings.tokens_as_ids:
+        return lambda tid, lp: f"token_id:{tid}"
+    return lambda tid, lp: tokenizer.decode([tid]) if lp is None else lp.decoded_token
+
+
 def _top(entry: dict, n: int) -> list:
-    """The top-n alternatives of one position (the sampled token is among them only if it ranks there)."""
-    return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= n), key=lambda lp: lp.rank)
+    """The top-n alternatives of one position as (id, Logprob) (the sampled token is among them only if
+    it ranks there)."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= n),
+                  key=lambda pair: pair[1].rank)
 
 
-def _completion_logprobs(ids: list[int], entries: list, n: int | None, offset: int,
+def _completion_logprobs(ids: list[int], entries: list, n: int | None, offset: int, named: TokenNamer,
                          first_text: str | None = None) -> tuple[dict, int]:
     """OpenAI's completion logprobs of tokens ``ids`` and where the next token's text starts: offsets count
     the tokens' text (a streamed chunk's text may hold back part of a character), continuing from
     ``offset``. An entry None (a prompt's first token: nothing before it) has no logprob; its text is
     ``first_text``."""
-    tokens = [first_text if e is None else e[t].decoded_token for t, e in zip(ids, entries)]
+    tokens = [first_text if e is None else named(t, e[t]) for t, e in zip(ids, entries)]
     offsets = []
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok or "")
     return {"tokens": tokens, "token_logprobs": [None if e is None else e[t].logprob for t, e in zip(ids, entries)],
             "text_offset": offsets,
-            "top_logprobs": [None if e is None else {lp.decoded_token: lp.logprob for lp in _top(e, n)}
+            "top_logprobs": [None if e is None else {named(t, lp): lp.logprob for t, lp in _top(e, n)}
                              for e in entries]}, offset
 
 
@@ -226,11 +242,11 @@ def _utf8(token: str | None) -> list[int] | None:
     return None if token is None else list(token.encode("utf-8", errors="replace"))
 
 
-def _chat_logprobs(c, n: int | None) -> dict | None:
+def _chat_logprobs(c, n: int | None, named: TokenNamer) -> dict | None:
     if c.logprobs is None:
         return None
     return {"content": [
-        {"token": e[t].decoded_token, "logprob": e[t].logprob, "bytes": _utf8(e[t].decoded_token),
-         "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": _utf8(lp.decoded_token)}
-                          for lp in _top(e, n)]}
+        {"token": named(t, e[t]), "logprob": e[t].logprob, "bytes": _utf8(e[t].decoded_token),
+         "top_logprobs": [{"token": named(alt, lp), "logprob": lp.logprob, "bytes": _utf8(lp.decoded_token)}
+                          for alt, lp in _top(e, n)]}
         for t, e in zip(c.token_ids, c.logprobs)]}
