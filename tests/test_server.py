@@ -169,6 +169,28 @@ def test_logprobs_in_both_apis(server, client):
     assert all(t.token.startswith("token_id:") and t.top_logprobs[0].token.startswith("token_id:") for t in named)
 
 
+def test_token_ids_beside_the_text_when_asked(server, client):
+    prompt_ids = httpx.post(f"{server[0]}/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    ask = dict(model="tiny", prompt="Hello", max_tokens=5, temperature=0, extra_body={"return_token_ids": True})
+    whole = client.completions.create(**ask).choices[0]
+    assert whole.prompt_token_ids == prompt_ids and len(whole.token_ids) == 5
+    text = httpx.post(f"{server[0]}/detokenize", json={"tokens": whole.token_ids}).json()["prompt"]
+    assert text == whole.text
+    chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **ask) if ch.choices]
+    assert chunks[0].prompt_token_ids == prompt_ids and all(not hasattr(c, "prompt_token_ids") for c in chunks[1:])
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    rendered = httpx.post(f"{server[0]}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat.prompt_token_ids == rendered and len(chat.choices[0].token_ids) == chat.usage.completion_tokens
+    streamed = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                                   stream=True, extra_body={"return_token_ids": True}))
+    assert streamed[0].prompt_token_ids == rendered
+    assert [t for ch in streamed if ch.choices for t in ch.choices[0].token_ids] == chat.choices[0].token_ids
+    assert not hasattr(client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0], "token_ids")
+
+
 def test_stop_strings_are_never_streamed(client):
     full = client.completions.create(model="tiny", prompt="Hello world", max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text

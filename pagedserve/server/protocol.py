@@ -76,6 +76,7 @@ class _SamplingFields(_Body):
     priority: StrictInt = Field(default=0, ge=INT64[0], le=INT64[1])  # --scheduling-policy priority: lower first
     cache_salt: StrictStr | None = Field(default=None, min_length=1)  # prefix-cache blocks shared within a salt
     return_tokens_as_token_ids: StrictBool | None = None  # logprobs' tokens as "token_id:N" (None: the server's)
+    return_token_ids: StrictBool = False  # the prompt's and the output's token ids beside the text
 
     def salted(self, prompt: str | list[int]) -> str | list[int] | dict:
         """The prompt as the engine takes it: with the request's cache salt, if it has one."""

@@ -38,6 +38,7 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     named = token_names(body, state, tokenizer)
     offsets = [0] * len(streams)  # where each choice's next text starts (logprobs' text_offset)
     echoed = [not body.echo] * len(streams)  # each choice's prompt goes out once, ahead of its text
+    told_prompt = [False] * len(streams)
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
     def choice(i: int, out: RequestOutput) -> dict:
@@ -52,9 +53,14 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
         lp = None
         if entries is not None:
             lp, offsets[i] = _completion_logprobs(ids, entries, params.logprobs, offsets[i], named, first)
+        ids_of = {}
+        if body.return_token_ids:
+            ids_of = {"token_ids": list(c.token_ids)}
+            if not told_prompt[i]:  # a stream tells the prompt's ids once, in a choice's first chunk
+                told_prompt[i], ids_of["prompt_token_ids"] = True, list(out.prompt_token_ids)
         return {"index": i, "text": text, "logprobs": lp,
                 "finish_reason": c.finish_reason if out.finished else None,
-                "stop_reason": c.stop_reason if out.finished else None}
+                "stop_reason": c.stop_reason if out.finished else None, **ids_of}
 
     return await _respond(body, raw, streams, _Usage(params.n, state.settings.prompt_tokens_details), head, choice,
                           lambda finals, usage: {**head, "choices": [choice(i, out) for i, out in enumerate(finals)],
@@ -105,11 +111,15 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
         return _chat_logprobs(c, params.logprobs, named) if want_lp else None
 
     started = [False] * len(streams)
+    want_ids = body.return_token_ids
+
+    def ids_of(c) -> dict:
+        return {"token_ids": list(c.token_ids)} if want_ids else {}
 
     def delta(j: int, out: RequestOutput) -> dict | None:
         c = out.outputs[0]
         d = parsers[j].feed(c.text, last=out.finished)
-        if not (d or out.finished or want_lp):
+        if not (d or out.finished or want_lp or want_ids):
             return None  # text held back (a tag may be starting): nothing to send yet
         message = d.stream_json()
         if not started[j]:  # the role goes out with the first token, so a client's TTFT is the token's
@@ -117,7 +127,10 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
             message = {"role": "assistant", **message}
         return {"index": j, "delta": message, "logprobs": logprobs(c),
                 "finish_reason": parsers[j].finish_reason(c.finish_reason) if out.finished else None,
-                "stop_reason": c.stop_reason if out.finished else None}
+                "stop_reason": c.stop_reason if out.finished else None, **ids_of(c)}
+
+    def prompt_ids(out: RequestOutput) -> dict:
+        return {"prompt_token_ids": list(out.prompt_token_ids)} if want_ids else {}
 
     def final(finals: list[RequestOutput], usage: dict) -> dict:
         choices = []
@@ -125,29 +138,34 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
             c = out.outputs[0]
             choices.append({"index": j, "message": parsers[j].feed(c.text, last=True).message_json(),
                             "logprobs": logprobs(c), "finish_reason": parsers[j].finish_reason(c.finish_reason),
-                            "stop_reason": c.stop_reason})
+                            "stop_reason": c.stop_reason, **ids_of(c)})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": usage}
+                "usage": usage, **prompt_ids(finals[0])}
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     return await _respond(body, raw, streams, _Usage(params.n, state.settings.prompt_tokens_details), head, delta,
-                          final)
+                          final, prompt_ids)
 
 
 async def _respond(body, raw: Request, streams: list, usage: _Usage, head: dict,
                    chunk: Callable[[int, RequestOutput], dict | None],
-                   final: Callable[[list[RequestOutput], dict], dict]):
+                   final: Callable[[list[RequestOutput], dict], dict],
+                   first: Callable[[RequestOutput], dict] = lambda out: {}):
     """Stream the outputs as SSE (``chunk(index, output)`` for each output as it comes, unless None, with
-    the usage so far if asked for continuously; then the usage if asked), or wait for them all and answer
-    ``final(outputs, usage)``; 499 when the client left before the end."""
+    the usage so far if asked for continuously, the first chunk with ``first(output)``'s fields; then the
+    usage if asked), or wait for them all and answer ``final(outputs, usage)``; 499 when the client left
+    before the end."""
     if body.stream:
         every = body.include_usage and body.stream_options.continuous_usage_stats
 
         async def events():
+            opening = True
             async for i, out in merged(streams):
                 usage.add(i, out)
                 if (choice := chunk(i, out)) is not None:
-                    yield {**head, "choices": [choice], **({"usage": usage.json()} if every else {})}
+                    extra = first(out) if opening else {}
+                    opening = False
+                    yield {**head, **extra, "choices": [choice], **({"usage": usage.json()} if every else {})}
             if body.include_usage:
                 yield {**head, "choices": [], "usage": usage.json()}
 
