@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
+import ssl
+import subprocess
 
 import httpx
 import openai
@@ -302,6 +305,25 @@ def test_api_key_browser_origins_request_ids_and_docs(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "tiny", *ENGINE_FLAGS, "--allowed-origins", "http://ui.example"])
     assert e.value.code == 2 and "--allowed-origins" in capsys.readouterr().err
+
+
+def test_https_with_a_key_and_certificate(tmp_path, capsys):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl makes the test's certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    with running_server(*ENGINE_FLAGS, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)) as (url, _):
+        secure = url.replace("http://", "https://")
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http:
+            client = openai.OpenAI(base_url=f"{secure}/v1", api_key="unused", max_retries=0, http_client=http)
+            assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2)  # plain HTTP is not served
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "tiny", *ENGINE_FLAGS, "--ssl-certfile", str(cert)])
+    assert e.value.code == 2 and "--ssl-keyfile" in capsys.readouterr().err
 
 
 def test_queue_limit_gives_503_with_retry_after():

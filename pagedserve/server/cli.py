@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -114,6 +115,12 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="Logprobs name tokens as \"token_id:N\" instead of their text (exact for tokens that are "
                         "part of a character); a request's return_tokens_as_token_ids overrides it.")
+    s.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this private key (PEM); needs --ssl-certfile.")
+    s.add_argument("--ssl-certfile", default=None, help="Serve HTTPS with this certificate (PEM).")
+    s.add_argument("--ssl-ca-certs", default=None,
+                   help="HTTPS: CA certificates that client certificates must chain to.")
+    s.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                   help="HTTPS: client certificates 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*).")
     s.add_argument("--max-stored-responses", type=int, default=0, metavar="N",
                    help="Keep the last N responses of /v1/responses in memory (0: none, the default), to be read "
                         "back (GET /v1/responses/ID) and continued with previous_response_id.")
@@ -177,6 +184,12 @@ def build_server(ns: argparse.Namespace, worker=None):
         from pagedserve.tune.profiles import load_profiles
 
         profiles = load_profiles(ns.profiles)
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile (or neither, for plain HTTP).")
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(ns, name)
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file.")
     if ns.max_stored_responses < 0:
         raise ConfigError("--max-stored-responses must be zero (keep none) or more.")
     if ns.shutdown_timeout < 0:
@@ -214,7 +227,9 @@ def build_server(ns: argparse.Namespace, worker=None):
     app = build_app(engine, settings)
     # uvicorn's own deadline comes after ours, so it finds every stream already ended
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),
-                               timeout_graceful_shutdown=int(ns.shutdown_timeout) + 10, access_log=False)
+                               timeout_graceful_shutdown=int(ns.shutdown_timeout) + 10, access_log=False,
+                               ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
+                               ssl_cert_reqs=ns.ssl_cert_reqs)
     server = Server(uv_config, engine, ns.shutdown_timeout)
 
     def engine_died() -> None:  # exit, so that a supervisor restarts the server
@@ -245,8 +260,8 @@ def serving_in_thread(server: Server, start_timeout: float = 120.0):
 
 def cmd_serve(ns: argparse.Namespace) -> None:
     server = build_server(ns)
-    logger.info("serving %s on http://%s:%d (SIGTERM or Ctrl-C drains in-flight requests, then exits)",
-                ns.model, ns.host, ns.port)
+    logger.info("serving %s on %s://%s:%d (SIGTERM or Ctrl-C drains in-flight requests, then exits)",
+                ns.model, "https" if ns.ssl_certfile else "http", ns.host, ns.port)
     server.run()
     if server.exit_code:
         sys.exit(server.exit_code)
