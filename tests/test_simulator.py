@@ -108,8 +108,11 @@ def test_shipped_calibrations_load_and_describe_themselves():
     cal = load_calibration("h200-qwen3-8b-bf16")
     assert cal.model == "Qwen/Qwen3-8B" and cal.gpu == "NVIDIA H200" and cal.mape < 0.1
     assert "an eager step takes at least" in cal.describe() and cal.commit
-    # the fit, redone on the shipped samples, is the shipped model
-    refit = CostModel.fit(cal.samples)[0]  # to the last bits that another machine's BLAS may round apart
+    # the fit, redone on the shipped samples (the steps', the host's), is the shipped model; the way in is
+    # a measured time, not a fit
+    assert cal.cost.host_fixed > 0 and cal.cost.host_per_seq > 0 and cal.cost.request_latency > 0
+    refit = CostModel.fit(cal.samples)[0].with_host(cal.host_samples).with_request_latency(cal.cost.request_latency)
+    # to the last bits that another machine's BLAS may round apart
     assert dataclasses.asdict(refit) == pytest.approx(dataclasses.asdict(cal.cost), rel=1e-9)
     with pytest.raises(ConfigError, match="neither a calibration file nor one of the shipped ones"):
         load_calibration("h100-nothing")
