@@ -57,6 +57,9 @@ class Recording:
     def host_seconds(self, seqs):
         return 0.0
 
+    def launch_seconds(self, kind, seqs, tokens):
+        return 0.0
+
 
 def test_ten_thousand_requests_keep_the_limits_finish_and_leak_nothing():
     # a cache of 160 blocks (2,560 tokens) for 48 running requests of up to 100 tokens: preemption is certain
@@ -85,19 +88,25 @@ def test_open_loop_arrivals_follow_the_rate():
 def test_the_fit_recovers_a_known_model_and_reads_back():
     truth = CostModel(breakpoint=128, per_token=2e-5, per_context=3e-8, per_prefill_work=1.5e-12, fixed=3e-3,
                       eager_floor=0.012, mixed_floor=0.02, single=4.2e-3, per_prefill_key=1e-6)
+    # a graph step's time to its tokens also holds the host's part before its launch: 0.3 ms + 2 us a request
+    launch = dataclasses.replace(truth, launch_fixed=3e-4, launch_per_seq=2e-6)
     samples = []
     for kind, t, k, q, n in [("graph", b, b * c, 0, 0) for b in (2, 4, 16, 64, 256) for c in (128, 1024, 8192)] + \
             [("single", 1, c, 0, 0) for c in (128, 1024, 8192)] + \
             [("graph", t, 0, t * (t + o), t + o) for t in (16, 64, 256) for o in (0, 2048, 6144)] + \
             [("eager", t, 0, t * (t + o), t + o) for t in (1024, 4096, 8192) for o in (0, 4096)] + \
             [("mixed", t + b, b * 1024, t * t, t) for b in (4, 64) for t in (2048, 8192)]:
+        seqs = t if k and not q else 1
+        host = launch.launch_seconds(kind, seqs, t)
         samples.append({"tokens": t, "decode_context": k, "prefill_work": q, "prefill_keys": n, "kind": kind,
-                        "seconds": truth.seconds(t, k, q, n, kind)})
+                        "seqs": seqs, "seconds": truth.seconds(t, k, q, n, kind) + host, "launch": host})
     cost, err = CostModel.fit(samples)
+    cost = cost.with_launch(samples)
     assert err < 0.01
-    for s in samples:
+    assert (cost.launch_fixed, cost.launch_per_seq) == pytest.approx((3e-4, 2e-6), rel=1e-6)
+    for s in samples:  # the device's part, without the host's before the launch
         assert cost.seconds(s["tokens"], s["decode_context"], s["prefill_work"], s["prefill_keys"], s["kind"]) == \
-            pytest.approx(s["seconds"], rel=0.03)
+            pytest.approx(s["seconds"] - s["launch"], rel=0.03)
     with pytest.raises(ConfigError, match="at least five"):
         CostModel.fit(samples[:3])
 
@@ -171,6 +180,10 @@ def test_a_step_lasts_the_longer_of_the_device_and_the_host():
     assert four["mean_itl_ms"] == pytest.approx(14.0) and four["mean_ttft_ms"] == pytest.approx(14.0)
     # the host waits 5 of one request's 10 ms steps for the device, and never with four
     assert one["server_device_wait_share"] == pytest.approx(0.5) and four["server_device_wait_share"] == 0.0
+    # preparing and launching the next graph is the host's too: 1 ms more of it a step
+    launching = dataclasses.replace(slow_host, launch_fixed=1e-3)
+    four = simulate_load(config, budget, launching, [SampleRequest(list(range(16)), 16, 5)] * 4)
+    assert four["mean_itl_ms"] == pytest.approx(15.0)
 
 
 def tiny_calibration(tmp_path) -> str:

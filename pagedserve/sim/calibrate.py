@@ -86,18 +86,22 @@ def step_grid(config: EngineConfig, num_blocks: int) -> list[list[tuple[int, int
     return [s for s in shapes if fits(s)]
 
 
-def time_step(worker, inp: StepInputs) -> float:
-    """Median seconds from launching the step to its tokens on the host."""
-    sync = torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None)
-    times = []
+def time_step(worker, inp: StepInputs) -> tuple[float, float]:
+    """Median seconds from starting the step to its tokens on the host, and of the host's part before the
+    launch returns (on a GPU; on the CPU the step computes in that part, and nothing overlaps)."""
+    cuda = worker.device.type == "cuda"
+    times, launches = [], []
     for i in range(_WARMUPS + _REPEATS):
-        sync()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         pending = worker.execute(inp, SamplingInputs.greedy_only())
+        t1 = time.perf_counter()
         pending.wait()
         if i >= _WARMUPS:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            launches.append(t1 - t0 if cuda else 0.0)
+    return statistics.median(times), statistics.median(launches)
 
 
 def git_commit() -> str | None:
@@ -171,11 +175,13 @@ def calibrate(args, log=print) -> Calibration:
         for k, shape in enumerate(shapes):
             inp = synthetic_step(shape, config.block_size, worker.budget.num_blocks, config.model.vocab_size, rng)
             t, ctx, work, keys = step_features(inp)
-            seconds = time_step(worker, inp)
+            seconds, launch = time_step(worker, inp)
             samples.append({"tokens": t, "decode_context": ctx, "prefill_work": work, "prefill_keys": keys,
-                            "seqs": len(shape), "kind": step_kind(inp, caps), "seconds": seconds})
+                            "seqs": len(shape), "kind": step_kind(inp, caps), "seconds": seconds,
+                            "launch": launch})
             log(f"[{k + 1}/{len(shapes)}] {len(shape)} seqs, {t} tokens, {ctx} decode context: {1e3 * seconds:.3f} ms")
         cost, err = CostModel.fit(samples)
+        cost = cost.with_launch(samples)
         if config.device.type == "cuda":
             gpu = torch.cuda.get_device_name(config.device)
             total = torch.cuda.get_device_properties(config.device).total_memory

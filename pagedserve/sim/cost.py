@@ -38,6 +38,7 @@ from pagedserve.model.runner import decode_graph_sizes, prompt_graph_sizes
 from pagedserve.model.step import StepInputs
 
 FEATURES = ("tokens", "decode_context", "prefill_work", "prefill_keys")
+GRAPHED = ("single", "graph")  # step kinds replayed as CUDA graphs: the host prepares them ahead
 
 
 def step_features(inp: StepInputs) -> tuple[int, int, int, int]:
@@ -83,6 +84,11 @@ class CostModel:
     host_fixed: float = 0.0       # the server's own work a step (scheduling, inputs, outputs, streaming) ...
     host_per_seq: float = 0.0     # ... and a request in the step: a step takes at least this host time
     request_latency: float = 0.0  # from a client sending a request to the engine taking it in (HTTP, tokenizing)
+    # the host's part of a graph step (its inputs, the launch), done while the step before runs: the
+    # device's terms above are then what remains of the step
+    launch_fixed: float = 0.0
+    launch_per_seq: float = 0.0
+    launch_per_token: float = 0.0
 
     def on_faster_gpu(self, compute: float, bandwidth: float) -> "CostModel":
         """This model on a GPU ``compute`` times as fast at 16-bit tensor math and ``bandwidth`` times as
@@ -100,6 +106,13 @@ class CostModel:
 
     def host_seconds(self, seqs: int) -> float:
         return self.host_fixed + self.host_per_seq * seqs
+
+    def launch_seconds(self, kind: str, seqs: int, tokens: int) -> float:
+        """The host's part of a graph step; a step launched kernel by kernel is held up by its launch
+        alone, which its floor prices."""
+        if kind not in GRAPHED:
+            return 0.0
+        return self.launch_fixed + self.launch_per_seq * seqs + self.launch_per_token * tokens
 
     def device_seconds(self, tokens: int, decode_context: int, prefill_work: int, prefill_keys: int) -> float:
         return (self.fixed + self.per_token * max(self.breakpoint, tokens) + self.per_context * decode_context
@@ -121,7 +134,8 @@ class CostModel:
         if len(samples) < 5:
             raise ConfigError("A cost model needs at least five measured steps.")
         x = np.array([[s[f] for f in FEATURES] for s in samples], dtype=float)
-        y = np.array([s["seconds"] for s in samples], dtype=float)
+        # a graph step's device part: the time to its tokens less the host's part before the launch
+        y = np.array([s["seconds"] - (s.get("launch", 0.0) if s["kind"] in GRAPHED else 0.0) for s in samples])
         kind = np.array([s["kind"] for s in samples])
         eager, mixed, single = kind == "eager", kind == "mixed", kind == "single"
 
@@ -145,6 +159,17 @@ class CostModel:
                         best = (err, h, m, one, bp, coef)
         err, h, m, one, bp, (b, c, d, f, e) = best
         return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m), one, float(f)), err
+
+    def with_launch(self, samples: list[dict]) -> "CostModel":
+        """This model with the launch terms fitted (least squares, non-negative) to the graph steps of
+        ``samples`` that carry their host part ({"seqs", "tokens", "launch"})."""
+        timed = [s for s in samples if s["kind"] in GRAPHED and "launch" in s]
+        if not timed:
+            return self
+        a = np.array([[1.0, s["seqs"], s["tokens"]] for s in timed])
+        fixed, per_seq, per_token = _nonnegative_lstsq(a, np.array([s["launch"] for s in timed]))
+        return dataclasses.replace(self, launch_fixed=float(fixed), launch_per_seq=float(per_seq),
+                                   launch_per_token=float(per_token))
 
     def with_host(self, samples: list[dict]) -> "CostModel":
         """This model with the host terms fitted (least squares, non-negative) to ``samples`` ({"seqs",
@@ -209,7 +234,10 @@ class Calibration:
                 f"sequence's decode {1e3 * c.single:.3f} ms + its context (fit error {100 * self.mape:.1f} %)"
                 + (f"; the server's host work a step {1e3 * c.host_fixed:.3f} ms + {1e3 * c.host_per_seq:.4f} ms a "
                    f"request in it, a request's way in {1e3 * c.request_latency:.2f} ms" if self.host_samples
-                   else "; the server's host work not measured"))
+                   else "; the server's host work not measured")
+                + (f"; a graph step's inputs and launch {1e3 * c.launch_fixed:.3f} ms + "
+                   f"{1e3 * c.launch_per_seq:.4f} ms a request + {1e6 * c.launch_per_token:.3f} us a token, hidden "
+                   f"behind the step before" if c.launch_fixed or c.launch_per_seq or c.launch_per_token else ""))
 
 
 def shipped() -> dict[str, Path]:
