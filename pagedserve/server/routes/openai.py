@@ -35,7 +35,7 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     streams = await state.start(rid, [body.salted(p) for p in body.prompts()], params, body.priority)
     if body.echo_only:
         streams = [_prompt_only(s) for s in streams]
-    named = token_names(body, state, tokenizer)
+    named = _token_names(body, state, tokenizer)
     offsets = [0] * len(streams)  # where each choice's next text starts (logprobs' text_offset)
     echoed = [not body.echo] * len(streams)  # each choice's prompt goes out once, ahead of its text
     told_prompt = [False] * len(streams)
@@ -53,14 +53,14 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
         lp = None
         if entries is not None:
             lp, offsets[i] = _completion_logprobs(ids, entries, params.logprobs, offsets[i], named, first)
-        ids_of = {}
+        token_ids = {}
         if body.return_token_ids:
-            ids_of = {"token_ids": list(c.token_ids)}
+            token_ids = {"token_ids": list(c.token_ids)}
             if not told_prompt[i]:  # a stream tells the prompt's ids once, in a choice's first chunk
-                told_prompt[i], ids_of["prompt_token_ids"] = True, list(out.prompt_token_ids)
+                told_prompt[i], token_ids["prompt_token_ids"] = True, list(out.prompt_token_ids)
         return {"index": i, "text": text, "logprobs": lp,
                 "finish_reason": c.finish_reason if out.finished else None,
-                "stop_reason": c.stop_reason if out.finished else None, **ids_of}
+                "stop_reason": c.stop_reason if out.finished else None, **token_ids}
 
     return await _respond(body, raw, streams, _Usage(params.n, state.settings.prompt_tokens_details), head, choice,
                           lambda finals, usage: {**head, "choices": [choice(i, out) for i, out in enumerate(finals)],
@@ -105,7 +105,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     streams, parsers, params = await start_chat(body, state, rid)
     want_lp = params.logprobs is not None
-    named = token_names(body, state, state.engine.tokenizer)
+    named = _token_names(body, state, state.engine.tokenizer)
 
     def logprobs(c):
         return _chat_logprobs(c, params.logprobs, named) if want_lp else None
@@ -211,7 +211,7 @@ class _Usage:
 TokenNamer = Callable[[int, Logprob | None], str]
 
 
-def token_names(body, state: ServerState, tokenizer) -> TokenNamer:
+def _token_names(body, state: ServerState, tokenizer) -> TokenNamer:
     """How logprobs name a token: its text, or "token_id:N" (--return-tokens-as-token-ids, or the request's
     return_tokens_as_token_ids), which names every token exactly, even one that is part of a character."""
     as_ids = body.return_tokens_as_token_ids
