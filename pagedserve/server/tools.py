@@ -346,7 +346,7 @@ class PythonicParser(ToolCallParser):
                 self.depth += 1
             elif c in ")]}":
                 self.depth -= 1
-                if self.depth == 1 and c == ")" or self.depth == 0:
+                if (self.depth == 1 and c == ")") or self.depth == 0:  # a call closed, or the list
                     call = _python_call(buf[self.item:i + 1 if c == ")" else i])
                     if call is None and (c == ")" or buf[self.item:i].strip()):
                         self.mode = "rest"  # not a call: from this item on, the text is content
