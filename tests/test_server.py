@@ -269,6 +269,8 @@ def test_metrics_counters_move(server, client):
         assert moved(f"vllm:request_{name}_seconds_count") == 1, name
     assert moved("vllm:request_inference_time_seconds_sum") >= moved("vllm:request_decode_time_seconds_sum") > 0
     assert moved("vllm:iteration_tokens_total_count") >= 7 and moved("vllm:iteration_tokens_total_sum") >= 7
+    # the steps' results followed one another at least 6 times (7 tokens, one step each)
+    assert moved("pagedserve:step_interval_seconds_count") >= 6 and moved("pagedserve:step_interval_seconds_sum") > 0
     before = after
     client.completions.create(model="tiny", prompt="Hello world", n=2, max_tokens=3, temperature=1.0)
     after = metric_values(url)

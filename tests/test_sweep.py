@@ -154,6 +154,28 @@ def test_the_share_of_a_run_the_engine_waited_on_the_gpu_comes_from_its_counter(
     assert scraper.summary()["server_device_wait_share"] is None
 
 
+def test_the_engine_step_intervals_of_a_run_come_from_its_histogram():
+    from pagedserve.bench.metrics import histogram_quantile, scrape_histogram
+    from pagedserve.bench.serve import MetricsScraper
+
+    def text(counts: list[int]) -> str:  # cumulative counts at 4, 8, 16 ms and past them
+        bounds = ("0.004", "0.008", "0.016", "+Inf")
+        return "".join(f'pagedserve:step_interval_seconds_bucket{{engine="0",le="{b}",model_name="m"}} {n}\n'
+                       for b, n in zip(bounds, counts))
+
+    before, after = scrape_histogram(text([5, 5, 5, 5]), "pagedserve:step_interval_seconds"), \
+        scrape_histogram(text([5, 85, 105, 105]), "pagedserve:step_interval_seconds")
+    # the run's 100 intervals: 80 in (4, 8] ms, 20 in (8, 16] ms
+    assert histogram_quantile(before, after, 0.5) == pytest.approx(0.004 + 0.004 * 50 / 80)
+    assert histogram_quantile(before, after, 0.99) == pytest.approx(0.008 + 0.008 * 19 / 20)
+    assert histogram_quantile(after, after, 0.5) is None  # nothing counted between the two
+    scraper = MetricsScraper("http://unused", 1.0, {})
+    scraper.samples, scraper.intervals = [{"t": 1.0}, {"t": 2.0}], [before, after]
+    summary = scraper.summary()
+    assert summary["server_step_interval_p50_ms"] == pytest.approx(6.5)
+    assert summary["server_step_interval_p99_ms"] == pytest.approx(15.6)
+
+
 def test_repeats_aggregate_counts_peaks_and_medians():
     reps = [{"completed": 10, "failed": 1, "output_throughput": 100.0, "server_peak_kv_cache_usage": 0.2,
              "server_preemptions": 0, "server_peaks_exact": True},

@@ -14,5 +14,5 @@ for commit in "$@"; do
   fi
   echo "== $(date +%T) $commit"
   (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" python3 -m benchmarks.engine.online_serve \
-     --result-dir "/tmp/online-$commit" 2>&1 | grep -E "^p95 TTFT|^ITL percentiles|^server exit")
+     --result-dir "/tmp/online-$commit" 2>&1 | grep -E "^p95 TTFT|^ITL percentiles|^engine step|^server exit")
 done

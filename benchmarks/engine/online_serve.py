@@ -70,6 +70,9 @@ def main() -> None:
         pct = {p: itl[min(len(itl) - 1, int(p / 100 * len(itl)))] for p in (90, 94, 95, 96, 99)}
         print("ITL percentiles (ms): " + ", ".join(f"p{p} {v:.2f}" for p, v in pct.items())
               + f"; {100 * long:.1f} % of ITLs are over twice the median")
+        if r.get("server_step_interval_p99_ms") is not None:  # long ITLs from long steps, or from streaming
+            print(f"engine step interval p50 {r['server_step_interval_p50_ms']:.2f} ms, "
+                  f"p99 {r['server_step_interval_p99_ms']:.2f} ms")
     finally:
         server.send_signal(signal.SIGTERM)
         print(f"server exit status after SIGTERM: {server.wait(timeout=120)}")

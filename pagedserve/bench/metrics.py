@@ -44,6 +44,37 @@ def scrape_values(text: str, names: dict[str, str]) -> dict[str, float]:
     return values
 
 
+def scrape_histogram(text: str, name: str) -> dict[float, float]:
+    """Prometheus text -> a histogram's cumulative bucket counts {upper bound: count}, summed over label
+    sets; empty when the server has no such histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name + "_bucket":
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + s.value
+    return buckets
+
+
+def histogram_quantile(first: dict[float, float], last: dict[float, float], q: float) -> float | None:
+    """The ``q`` quantile of what a histogram counted between two scrapes, interpolated within its bucket
+    as Prometheus does (the last finite bound where it falls past them); None when nothing was counted."""
+    bounds = sorted(last)
+    counts = [last[b] - first.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank, lower, below = q * counts[-1], 0.0, 0.0
+    for bound, cumulative in zip(bounds, counts):
+        if cumulative >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(cumulative - below, 1e-12)
+        lower, below = bound, cumulative
+    return lower
+
+
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
     """``["ttft:200", "tpot:50"]`` (milliseconds) -> {"ttft": 0.2, "tpot": 0.05}."""
     slos = {}

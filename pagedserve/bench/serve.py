@@ -19,7 +19,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagedserve.bench.datasets import SampleRequest
-from pagedserve.bench.metrics import RequestResult, calculate_metrics, scrape_values
+from pagedserve.bench.metrics import (RequestResult, calculate_metrics, histogram_quantile, scrape_histogram,
+                                     scrape_values)
 from pagedserve.errors import BenchmarkError
 
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
@@ -184,7 +185,9 @@ _PEAKS = {
     "server_peak_device_memory_bytes": ("device_memory_peak_bytes", "device_memory_bytes"),
     "server_peak_nvml_device_memory_bytes": (None, "nvml_device_memory_bytes"),
 }
-SERVER_KEYS = ("server_preemptions", "server_device_wait_share", *_PEAKS)
+SERVER_KEYS = ("server_preemptions", "server_device_wait_share", "server_step_interval_p50_ms",
+               "server_step_interval_p99_ms", *_PEAKS)
+STEP_INTERVALS = "pagedserve:step_interval_seconds"
 
 
 class MetricsScraper:
@@ -196,6 +199,7 @@ class MetricsScraper:
     def __init__(self, base_url: str, interval: float, headers: dict[str, str]):
         self.base_url, self.interval, self.headers = base_url, interval, headers
         self.samples: list[dict[str, float]] = []
+        self.intervals: list[dict[float, float]] = []  # the engine's step-interval histogram at each sample
         self.failures = 0
         self.last_error = ""
         self.exact_peaks = False
@@ -223,7 +227,9 @@ class MetricsScraper:
             async with self._session.get(self.base_url + "/metrics") as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
-                self.samples.append({"t": time.perf_counter(), **scrape_values(await resp.text(), SCRAPED)})
+                text = await resp.text()
+                self.samples.append({"t": time.perf_counter(), **scrape_values(text, SCRAPED)})
+                self.intervals.append(scrape_histogram(text, STEP_INTERVALS))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             self.failures += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -250,6 +256,9 @@ class MetricsScraper:
         if "device_wait_seconds" in first and "device_wait_seconds" in last and last["t"] > first["t"]:
             out["server_device_wait_share"] = ((last["device_wait_seconds"] - first["device_wait_seconds"])
                                                / (last["t"] - first["t"]))
+        for q in (50, 99):
+            seconds = histogram_quantile(self.intervals[0], self.intervals[-1], q / 100) if self.intervals else None
+            out[f"server_step_interval_p{q}_ms"] = None if seconds is None else 1e3 * seconds
         for key, (exact, sampled) in _PEAKS.items():
             if self.exact_peaks and exact is not None and exact in last:
                 out[key] = last[exact]
@@ -375,6 +384,9 @@ def format_table(result: dict, percentile_metrics: list[str], percentiles: list[
         row("Peak device memory, NVML (GiB):", f"{nvml / 2**30:.2f}")
     if result.get("server_device_wait_share") is not None:  # low: the GPU idles, the host bounds the steps
         row("Engine waiting on the GPU (%):", f"{100 * result['server_device_wait_share']:.1f}")
+    if result.get("server_step_interval_p99_ms") is not None:  # against the ITLs: steps or streaming
+        p50, p99 = result["server_step_interval_p50_ms"], result["server_step_interval_p99_ms"]
+        row("Engine step interval p50 / p99 (ms):", f"{p50:.2f} / {p99:.2f}")
     row("Peaks:", "exact (server)" if result["server_peaks_exact"] else "polled" if result["server_metrics_scrapes"] else na)
     if result["server_metrics_scrape_failures"]:
         row("Failed /metrics scrapes:", result["server_metrics_scrape_failures"])

@@ -73,6 +73,7 @@ class EnginePeaks:
 
 # upper bounds of the steps' token counts that vllm:iteration_tokens_total buckets (vLLM's)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_INTERVAL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.012, 0.016, 0.020, 0.030, 0.050, 0.100, 0.250)
 
 
 @dataclass
@@ -91,11 +92,19 @@ class EngineCounters:
     # time the host waited for a launched step's results: near the wall time when the device bounds the
     # steps, near zero when the host does (the device then idles between steps)
     device_wait_seconds: float = 0.0
+    # seconds between consecutive steps' results while the engine is busy: what a running stream waits
+    # between tokens before the server's own work (buckets as step_tokens')
+    step_intervals: list[int] = field(default_factory=lambda: [0] * (len(STEP_INTERVAL_BUCKETS) + 1))
+    step_intervals_sum: float = 0.0
 
     def count_step(self, num_tokens: int) -> None:
         self.num_steps += 1
         self.step_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
         self.step_tokens_sum += num_tokens
+
+    def count_interval(self, seconds: float) -> None:
+        self.step_intervals[bisect.bisect_left(STEP_INTERVAL_BUCKETS, seconds)] += 1
+        self.step_intervals_sum += seconds
 
 
 class EngineCore:
@@ -117,6 +126,7 @@ class EngineCore:
         self.last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._in_flight: tuple[SchedulerOutput, PendingSamples | None] | None = None
         self._uncollected: list[SchedulerOutput] = []  # the steps a failing step() leaves without outputs
+        self._last_result: float | None = None  # when the last step's results came, while steps follow on
         for line in budget.report_lines():
             logger.info(line)
         logger.info("init engine (load model, size KV cache) took %.2f seconds", time.perf_counter() - t0)
@@ -157,7 +167,7 @@ class EngineCore:
         """After ``step`` raised: finish the requests of the steps it was launching and collecting, with the
         error, so that they free their blocks and nothing waits on their tokens; the others go on."""
         ids = {it.request.request_id for sched in self._uncollected for it in sched.scheduled}
-        self._in_flight, self._uncollected = None, []
+        self._in_flight, self._uncollected, self._last_result = None, [], None
         self.builder.forget()
         finished = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         why = f"{type(error).__name__}: {error}"
@@ -177,7 +187,13 @@ class EngineCore:
             self.counters.num_preemptions += len(sched.preempted)
             self.counters.count_step(sched.total_tokens)
         previous, self._in_flight = self._in_flight, launched
-        outputs = self._collect(*previous) if previous is not None else []
+        outputs = []
+        if previous is not None:
+            outputs = self._collect(*previous)
+            now = time.perf_counter()
+            if self._last_result is not None:
+                self.counters.count_interval(now - self._last_result)
+            self._last_result = now if launched is not None else None  # idle next: no interval to count
         self._uncollected = []
         # after the collect: requests the previous step finished have left the running list
         self.last_stats = self.scheduler.stats(sched)

@@ -12,7 +12,7 @@ import time
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from pagedserve.engine.core import STEP_TOKEN_BUCKETS
+from pagedserve.engine.core import STEP_INTERVAL_BUCKETS, STEP_TOKEN_BUCKETS
 from pagedserve.engine.request import Request
 from pagedserve.errors import ConfigError
 from pagedserve.memory import dtype_name
@@ -77,6 +77,16 @@ class _EngineCollector:
         self.labels = {"model_name": model_name, "engine": "0"}
         self.server_state = server_state
         self.nvml = NvmlMemory(engine.config.device)
+
+    def _histogram(self, name: str, doc: str, bounds, counts: list[int], total: float) -> HistogramMetricFamily:
+        """A histogram from per-bucket counts (the last one past every bound)."""
+        family = HistogramMetricFamily(name, doc, labels=list(self.labels))
+        cumulative, buckets = 0, []
+        for le, n in zip([*map(float, bounds), "+Inf"], counts):
+            cumulative += n
+            buckets.append((str(le), cumulative))
+        family.add_metric(list(self.labels.values()), buckets, total)
+        return family
 
     def _family(self, cls, name, doc, value):
         fam = cls(name, doc, labels=list(self.labels))
@@ -148,14 +158,12 @@ class _EngineCollector:
                 yield self._family(c, "pagedserve:long_prompts",
                                    f"Prompts over {deg.window.long_prompt_tokens} tokens that arrived (admitted or not).",
                                    deg.window.long_prompts_total)
-        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step.",
-                                      labels=list(self.labels))
-        cumulative, buckets = 0, []
-        for le, n in zip([*map(float, STEP_TOKEN_BUCKETS), "+Inf"], counters.step_tokens):
-            cumulative += n
-            buckets.append((str(le), cumulative))
-        steps.add_metric(list(self.labels.values()), buckets, counters.step_tokens_sum)
-        yield steps
+        yield self._histogram("vllm:iteration_tokens_total", "Tokens per engine step.", STEP_TOKEN_BUCKETS,
+                              counters.step_tokens, counters.step_tokens_sum)
+        yield self._histogram("pagedserve:step_interval_seconds",
+                              "Time between consecutive engine steps' results while it is busy: what a running "
+                              "stream waits between tokens, before the server's own work.",
+                              STEP_INTERVAL_BUCKETS, counters.step_intervals, counters.step_intervals_sum)
         success = CounterMetricFamily("vllm:request_success", "Finished requests by reason.",
                                       labels=[*self.labels, "finished_reason"])
         for reason, n in self.server_state.finished.items():
