@@ -99,7 +99,31 @@ class _JsonExtent:
         return i if self.end is None else self.end
 
 
-class HermesParser(ToolCallParser):
+class _StreamedArguments(ToolCallParser):
+    """Base of the formats whose calls go out as they are written: a call is announced once its name is
+    known, then its arguments' raw JSON follows piece by piece, to its closing bracket."""
+
+    def __init__(self):
+        super().__init__()
+        self.buf = ""
+        self.args: _JsonExtent | None = None  # the open call's arguments
+        self.sent = 0                          # ... sent up to here in ``buf``
+
+    def _open(self, name: str, start: int) -> dict:
+        """Announce a call whose arguments begin at ``start`` of ``buf``."""
+        self.args, self.sent = _JsonExtent(start), start
+        return self.call(name, "")
+
+    def _arguments_until(self, upto: int) -> list[dict]:
+        """The open call's arguments written since its last piece, up to ``upto`` of ``buf``."""
+        reach = min(self.args.reach(self.buf), upto)
+        if reach <= self.sent:
+            return []
+        piece, self.sent = self.buf[self.sent:reach], reach
+        return [{"index": self.calls - 1, "function": {"arguments": piece}}]
+
+
+class HermesParser(_StreamedArguments):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among the text (Qwen2.5, Qwen3,
     Hermes). A block that opens that way is announced as its call as soon as the arguments begin, and
     they go out as they are written (their raw JSON, to the object's closing brace); any other block is
@@ -109,9 +133,7 @@ class HermesParser(ToolCallParser):
 
     def __init__(self):
         super().__init__()
-        self.buf, self.inside = "", False
-        self.args: _JsonExtent | None = None  # the open block's streamed arguments
-        self.sent = 0                          # ... sent up to here in ``buf``
+        self.inside = False
 
     def _block(self, block: str, closed: bool) -> tuple[str, list[dict]]:
         try:
@@ -132,13 +154,8 @@ class HermesParser(ToolCallParser):
             if head is None:
                 return []
             self.space = ""  # the blank lines before a call
-            self.args, self.sent = _JsonExtent(head.end()), head.end()
-            calls.append(self.call(json.loads(head.group(1), strict=False), ""))
-        reach = min(self.args.reach(self.buf), upto)
-        if reach > self.sent:
-            calls.append({"index": self.calls - 1, "function": {"arguments": self.buf[self.sent:reach]}})
-            self.sent = reach
-        return calls
+            calls.append(self._open(json.loads(head.group(1), strict=False), head.end()))
+        return calls + self._arguments_until(upto)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buf += text
@@ -177,7 +194,7 @@ class HermesParser(ToolCallParser):
         return content + self.rest(), calls
 
 
-class _NameFirstCalls(ToolCallParser):
+class _NameFirstCalls(_StreamedArguments):
     """Formats whose calls run one after another, each a head that names the function and then its arguments
     (JSON): a call is announced as its arguments begin, and they go out as written (their raw JSON, to the
     closing bracket). From the first call that does not open that way (say, its name after its arguments)
@@ -188,10 +205,7 @@ class _NameFirstCalls(ToolCallParser):
 
     def __init__(self):
         super().__init__()
-        self.buf = ""
         self.pos = 0                           # where the next call may open in ``buf``
-        self.args: _JsonExtent | None = None  # the open call's streamed arguments
-        self.sent = 0                          # ... sent up to here in ``buf``
         self.closer: re.Pattern | None = None  # what ends the open call after its arguments
 
     def _stream(self) -> list[dict]:
@@ -202,16 +216,12 @@ class _NameFirstCalls(ToolCallParser):
                 head = self.HEAD.match(self.buf, self.pos, min(len(self.buf), self.pos + HEAD_LIMIT))
                 if head is None:
                     return calls
-                self.args, self.sent = _JsonExtent(head.end()), head.end()
                 named = head.groupdict()
                 json_name = named.get("json_name")
                 self.closer = _OBJECT_CLOSE if json_name is not None else _NOTHING  # a {"name": ...} ends in }
                 name = named["bare_name"] if json_name is None else json.loads(json_name, strict=False)
-                calls.append(self.call(name, ""))
-            reach = self.args.reach(self.buf)
-            if reach > self.sent:
-                calls.append({"index": self.calls - 1, "function": {"arguments": self.buf[self.sent:reach]}})
-                self.sent = reach
+                calls.append(self._open(name, head.end()))
+            calls += self._arguments_until(len(self.buf))
             end = None if self.args.end is None else self.closer.match(self.buf, self.args.end)
             if end is None:
                 return calls
