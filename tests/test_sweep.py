@@ -170,7 +170,7 @@ def test_the_engine_step_intervals_of_a_run_come_from_its_histogram():
     assert histogram_quantile(before, after, 0.99) == pytest.approx(0.008 + 0.008 * 19 / 20)
     assert histogram_quantile(after, after, 0.5) is None  # nothing counted between the two
     scraper = MetricsScraper("http://unused", 1.0, {})
-    scraper.samples, scraper.intervals = [{"t": 1.0}, {"t": 2.0}], [before, after]
+    scraper.samples = [{"t": 1.0, "step_intervals": before}, {"t": 2.0, "step_intervals": after}]
     summary = scraper.summary()
     assert summary["server_step_interval_p50_ms"] == pytest.approx(6.5)
     assert summary["server_step_interval_p99_ms"] == pytest.approx(15.6)

@@ -198,8 +198,7 @@ class MetricsScraper:
 
     def __init__(self, base_url: str, interval: float, headers: dict[str, str]):
         self.base_url, self.interval, self.headers = base_url, interval, headers
-        self.samples: list[dict[str, float]] = []
-        self.intervals: list[dict[float, float]] = []  # the engine's step-interval histogram at each sample
+        self.samples: list[dict] = []  # the scraped values, the time, and the step-interval histogram
         self.failures = 0
         self.last_error = ""
         self.exact_peaks = False
@@ -228,8 +227,8 @@ class MetricsScraper:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
                 text = await resp.text()
-                self.samples.append({"t": time.perf_counter(), **scrape_values(text, SCRAPED)})
-                self.intervals.append(scrape_histogram(text, STEP_INTERVALS))
+                self.samples.append({"t": time.perf_counter(), **scrape_values(text, SCRAPED),
+                                     "step_intervals": scrape_histogram(text, STEP_INTERVALS)})
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             self.failures += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -256,9 +255,10 @@ class MetricsScraper:
         if "device_wait_seconds" in first and "device_wait_seconds" in last and last["t"] > first["t"]:
             out["server_device_wait_share"] = ((last["device_wait_seconds"] - first["device_wait_seconds"])
                                                / (last["t"] - first["t"]))
-        for q in (50, 99):
-            seconds = histogram_quantile(self.intervals[0], self.intervals[-1], q / 100) if self.intervals else None
-            out[f"server_step_interval_p{q}_ms"] = None if seconds is None else 1e3 * seconds
+        if "step_intervals" in first and "step_intervals" in last:
+            for q in (50, 99):
+                seconds = histogram_quantile(first["step_intervals"], last["step_intervals"], q / 100)
+                out[f"server_step_interval_p{q}_ms"] = None if seconds is None else 1e3 * seconds
         for key, (exact, sampled) in _PEAKS.items():
             if self.exact_peaks and exact is not None and exact in last:
                 out[key] = last[exact]
