@@ -123,6 +123,11 @@ def test_recorded_lengths_keep_each_request_s_pair_and_say_what_traffic_they_hol
     rate = float(text.split(": ")[1].split(" req/s")[0])
     burstiness = float(text.split("burstiness ")[1].split(" ")[0])
     assert text.startswith("2,000 recorded requests") and 1.8 < rate < 2.2 and 0.8 < burstiness < 1.25
+    # an unchanged file is parsed once; one the server has since appended to is read again
+    assert read_recorded_lengths(str(rec)) is read_recorded_lengths(str(rec))
+    with rec.open("a") as f:
+        f.write(json.dumps({"arrival": 2000.0, "prompt_tokens": 11, "output_tokens": 4}) + "\n")
+    assert len(read_recorded_lengths(str(rec))) == 2001
     # requests that took the same number of prompt tokens from the prefix cache share a prefix that long
     shared = tmp_path / "shared.jsonl"
     shared.write_text("".join(json.dumps({"prompt_tokens": 40, "cached_tokens": c, "output_tokens": 2}) + "\n"

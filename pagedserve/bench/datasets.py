@@ -3,8 +3,10 @@ lengths a server recorded (``serve --record-lengths``): production's shape of tr
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,10 +138,21 @@ def replayed_lengths(path: str, num_prompts: int | None, speed: float = 1.0,
     return samples, [(r["arrival"] - rows[0]["arrival"]) / speed for r in rows]
 
 
-def read_recorded_lengths(path: str, flag: str = "--dataset-path") -> list[dict]:
+def read_recorded_lengths(path: str, flag: str = "--dataset-path") -> tuple[dict, ...]:
     """The requests of a ``--record-lengths`` file that produced output: {"arrival", "prompt_tokens",
     "output_tokens", ...} each. Aborted ones are left out: their length is where they were stopped.
-    ``flag``: the option that named the file, for the errors."""
+    ``flag``: the option that named the file, for the errors. A file is parsed once while it is unchanged
+    (a sweep draws from it at every rung)."""
+    try:
+        stat = os.stat(path)
+        stamp = (stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        stamp = None  # _lines names the missing file
+    return _parse_recorded_lengths(path, flag, stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_recorded_lengths(path: str, flag: str, stamp: tuple | None) -> tuple[dict, ...]:
     rows = []
     for lineno, line in _lines(path, flag):
         try:
@@ -154,7 +167,7 @@ def read_recorded_lengths(path: str, flag: str = "--dataset-path") -> list[dict]
             rows.append(row)
     if not rows:
         raise ConfigError(f"{flag} {path}: no recorded request with a prompt and an output.")
-    return rows
+    return tuple(rows)
 
 
 def describe_recorded_lengths(rows: list[dict]) -> str:
