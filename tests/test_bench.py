@@ -260,3 +260,24 @@ def test_bench_throughput_end_to_end(tmp_path):
     assert result["num_requests"] == 12 and result["requests_per_second"] > 0
     assert result["total_num_tokens"] == result["total_prompt_tokens"] + result["total_output_tokens"]
     assert result["tokens_per_second"] == pytest.approx(result["total_num_tokens"] / result["elapsed_time"])
+
+
+def test_offline_floors_price_each_term_by_hand():
+    """The throughput benchmark's floors: weights read or tokens computed a step, whichever is longer;
+    the decodes' contexts (a request of 2 in / 3 out decodes over 3 and 4 tokens); the prompts' attention."""
+    import torch
+
+    from benchmarks.engine.length_curve import PEAK_BYTES, PEAK_FLOPS
+    from benchmarks.engine.offline_throughput import floors
+    from pagedserve.config import EngineArgs
+    from pagedserve.memory import kv_bytes_per_token, weight_bytes
+
+    m = EngineArgs(model="Qwen/Qwen3-8B", load_format="dummy").create_config(plan_for="cuda").model
+    heavy = int(weight_bytes(m, torch.bfloat16) / PEAK_BYTES * PEAK_FLOPS / (2 * m.num_params())) + 100
+    f = floors(m, torch.bfloat16, torch.float8_e4m3fn, [2], [3], [(0.0, 2, 0), (0.0, 0, 1), (0.0, heavy, 0)])
+    assert f["floor_projection_seconds"] == pytest.approx(
+        2 * weight_bytes(m, torch.bfloat16) / PEAK_BYTES + 2 * m.num_params() * heavy / PEAK_FLOPS)
+    assert f["floor_decode_kv_seconds"] == pytest.approx(7 * kv_bytes_per_token(m, torch.float8_e4m3fn) / PEAK_BYTES)
+    assert f["floor_prompt_attention_seconds"] == pytest.approx(2 * m.num_layers * m.num_heads * m.head_dim * 4
+                                                                / PEAK_FLOPS)
+    assert f["floor_seconds"] == pytest.approx(sum(v for k, v in f.items() if k != "floor_seconds"))

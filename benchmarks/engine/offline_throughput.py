@@ -21,8 +21,11 @@ import numpy as np
 import torch
 
 
+from benchmarks.engine.length_curve import PEAK_BYTES, PEAK_FLOPS
 from pagedserve import LLM, SamplingParams
 from pagedserve.builtin.known_models import KNOWN_MODELS
+from pagedserve.config import ModelConfig
+from pagedserve.memory import kv_bytes_per_token, weight_bytes
 
 
 def workload(ns):
@@ -76,6 +79,22 @@ def summarize_steps(log: list[tuple[float, int, int]]) -> dict:
             "decode_ms_at_full_batch": 1e3 * float(np.median([g[0] for g in decode if g[2] == full])) if decode else 0.0}
 
 
+def floors(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, ins: list[int], outs: list[int],
+           steps: list[tuple[float, int, int]]) -> dict:
+    """Seconds the run's work takes at the GPU's peaks with its kernels in series, as the engine runs them
+    (no preemptions' recomputation): each step's projections read every weight or compute 2 x params FLOPs
+    a token, whichever is longer; the decodes read their K/V; the prompts' attention computes. Which term
+    is largest says what bounds the run, and their sum how near the run is to the hardware."""
+    weights, flops_per_token = weight_bytes(model, dtype), 2 * model.num_params()
+    projections = sum(max(weights / PEAK_BYTES, flops_per_token * (pre + dec) / PEAK_FLOPS) for _, pre, dec in steps)
+    # a request's decodes read contexts of in + 1 ... in + out - 1 tokens (its first token ends the prompt)
+    contexts = sum((o - 1) * i + o * (o - 1) // 2 for i, o in zip(ins, outs))
+    kv = contexts * kv_bytes_per_token(model, kv_dtype) / PEAK_BYTES
+    attention = sum(2 * model.num_layers * model.num_heads * model.head_dim * i ** 2 for i in ins) / PEAK_FLOPS
+    return {"floor_projection_seconds": projections, "floor_decode_kv_seconds": kv,
+            "floor_prompt_attention_seconds": attention, "floor_seconds": projections + kv + attention}
+
+
 def run_ours(model, prompts, outs, ns) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, load_format="auto" if Path(model).is_dir() else "dummy", dtype="bfloat16",
@@ -103,7 +122,9 @@ def run_ours(model, prompts, outs, ns) -> dict:
            "steps": core.counters.num_steps - steps0, "preemptions": core.counters.num_preemptions - pre,
            "kv_cache_tokens": budget.kv_tokens, "peak_memory_gib": core.worker.device_memory()[1] / 2**30,
            "kernel_variants_compiled_in_run": {k: len(v) for k, v in compiled.items() if v},
-           **summarize_steps(steps)}
+           **summarize_steps(steps),
+           **floors(llm.engine.config.model, llm.engine.config.dtype, llm.engine.config.kv_dtype,
+                    list(map(len, prompts)), outs, steps)}
     del llm, core
     torch.cuda.empty_cache()
     return out
@@ -193,6 +214,11 @@ def main() -> None:
           f"decode-only: {ours['decode_steps']} taking {ours['decode_step_seconds']:.2f} s "
           f"({ours['decode_batch_mean']:.0f} requests a step on average; median "
           f"{ours['decode_ms_at_full_batch']:.2f} ms a step at the largest batch)")
+    print(f"  at the GPU's peaks ({PEAK_FLOPS / 1e12:.0f} TFLOP/s, {PEAK_BYTES / 1e12:.1f} TB/s), kernels in series: "
+          f"projections {ours['floor_projection_seconds']:.1f} s, decodes' K/V {ours['floor_decode_kv_seconds']:.1f} s, "
+          f"prompts' attention {ours['floor_prompt_attention_seconds']:.1f} s; {ours['floor_seconds']:.1f} s in all "
+          f"= {ours['output_tokens'] / ours['floor_seconds']:.0f} output tok/s at most, the run at "
+          f"{100 * ours['floor_seconds'] / ours['seconds']:.0f} % of it")
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(results, indent=2))
 
