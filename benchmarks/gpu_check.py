@@ -73,8 +73,17 @@ def main() -> None:
         print(f"engine ({backend}, fp32): {time.perf_counter() - t0:.1f} s", flush=True)
         del llm
         torch.cuda.empty_cache()
+    # prompt steps of 513-1,024 tokens (eight prompts at once) through the larger prompt-step graphs
+    llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", attention_backend="triton", dtype="float32", max_model_len=1024,
+              gpu_memory_utilization=0.3, max_num_batched_tokens=1024, max_num_seqs=8, max_cudagraph_capture_size=1024)
+    large = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(outs["torch"], outs["triton"]))
     print(f"greedy sequences identical, triton vs torch backend (fp32, chunked prefill + CUDA graphs): {same}/{len(prompts)}")
+    same = sum(a == b for a, b in zip(outs["torch"], large))
+    print(f"... triton with prompt-step graphs up to 1,024 tokens (--max-cudagraph-capture-size 1024): "
+          f"{same}/{len(prompts)}")
     same = sum(a == b for a, b in zip(pen["torch"], pen["triton"]))
     changed = sum(a != b for a, b in zip(pen["triton"], outs["triton"]))
     print(f"... with penalties or a logit bias on 9 of 12 rows: {same}/{len(prompts)} identical ({changed} differ "

@@ -316,6 +316,7 @@ class EngineArgs:
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (model dtype), bfloat16, float16, float32, fp8 (=fp8_e4m3), fp8_e5m2.")
     device: str = _arg("auto", "auto, cuda or cpu.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs.")
+    max_cudagraph_capture_size: int | None = _arg(None, "Largest step with prompt tokens (prompt chunks, with or without decodes) replayed as a CUDA graph; larger ones are launched kernel by kernel, which holds a small model's step to the host's launch time. Up to --max-num-batched-tokens; each graph pads its steps by at most a quarter. Decode-only steps have graphs up to --max-num-seqs whatever this is. Default 512.", size=True)
     tensor_parallel_size: int = _arg(1, "Number of GPUs to shard the model over.")
     attention_backend: str = _arg("auto", "Attention implementation: auto (triton on CUDA, torch elsewhere), triton, or torch (the reference).")
     trust_remote_code: bool = _arg(False, "Accepted for vLLM compatibility, and refused: pagedserve never runs code from a model folder.")
@@ -393,6 +394,13 @@ class EngineArgs:
         if not isinstance(mixed, int) or isinstance(mixed, bool) or mixed < 0:
             raise ConfigError(f"{flag('max_mixed_prefill_tokens')}: {mixed!r} must be an integer >= 0 (0: no bound).")
 
+        capture = parse_size(self.max_cudagraph_capture_size, "max_cudagraph_capture_size")
+        if capture is None:
+            capture = 512
+        elif capture < 0:
+            raise ConfigError(f"{flag('max_cudagraph_capture_size')}: {capture} must be >= 0 (0: steps with prompt "
+                              f"tokens are never replayed as graphs).")
+
         kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if kv_cache_memory is not None and kv_cache_memory <= 0:
             raise ConfigError(f"{flag('kv_cache_memory')}: {kv_cache_memory} must be positive.")
@@ -405,7 +413,7 @@ class EngineArgs:
             args=self, source=source, model=model_config, device=device, dtype=dtype, kv_dtype=kv_dtype,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
             max_mixed_prefill_tokens=mixed if self.enable_chunked_prefill else 0, kv_cache_memory=kv_cache_memory,
-            generation=generation,
+            generation=generation, max_cudagraph_capture_size=min(capture, batched),
         )
 
     def _resolve_device(self) -> torch.device:
@@ -459,6 +467,7 @@ class EngineConfig:
     max_mixed_prefill_tokens: int  # 0: no bound on prompt tokens beside decodes
     kv_cache_memory: int | None
     generation: GenerationDefaults
+    max_cudagraph_capture_size: int  # the largest step with prompt tokens that replays a graph (0: none)
 
     @property
     def block_size(self) -> int:

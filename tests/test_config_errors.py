@@ -35,6 +35,7 @@ def config_error(**kwargs) -> str:
     (dict(model="Qwen/Qwen3-8B"), ["--load-format dummy"]),
     (dict(tensor_parallel_size=3), ["--tensor-parallel-size", "3"]),
     (dict(device="tpu"), ["--device"]),
+    (dict(max_cudagraph_capture_size=-16), ["--max-cudagraph-capture-size", "-16"]),
     (dict(attention_backend="magic", load_format="dummy"), "--attention-backend"),
 ])
 def test_bad_engine_args(kwargs, fragments):

@@ -257,3 +257,16 @@ def test_cuda_fp8_decode_serves_only_the_launches_it_covers():
         assert be._cuda_kernel(q.dtype, cache, st.decode, st) is None
     assert be._cuda_kernel(torch.float32, cache, st.decode, st) is None  # fp32 queries: Triton
     assert be._cuda_kernel(q.dtype, cache.view(torch.float8_e5m2), st.decode, st) is None  # e5m2: Triton
+
+
+def test_prompt_graph_sizes_pad_a_long_step_by_at_most_a_quarter():
+    from pagedserve.model.runner import prompt_graph_sizes
+
+    assert prompt_graph_sizes(8192, 512)[-1] == 512 and prompt_graph_sizes(40, 512) == [16, 32]
+    assert prompt_graph_sizes(8192, 0) == []
+    sizes = prompt_graph_sizes(8192, 4096)
+    assert sizes[12:] == [512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096]
+    assert prompt_graph_sizes(3000, 8192)[-1] == 3000  # the step's token budget is the last size
+    for n in range(257, 4097):  # each step's graph: the smallest size that holds it
+        size = min(t for t in sizes if t >= n)
+        assert size - n <= n / 4, (n, size)

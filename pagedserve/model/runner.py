@@ -62,14 +62,23 @@ def decode_graph_sizes(max_num_seqs: int) -> list[int]:
 
 
 # Token counts of the steps with prompt tokens that replay a CUDA graph (padded up to the next size):
-# launched kernel by kernel, such a step takes the host longer than the GPU up to a few hundred tokens.
-# Steps are padded by at most a quarter of their tokens.
+# launched kernel by kernel, such a step takes the host longer than the GPU up to a few hundred tokens
+# (a small model's, up to thousands). Steps over 256 tokens are padded by at most a quarter of their
+# tokens; below, padding is cheap (a step's projections cost the weights' read up to ~100 tokens).
 PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
-def prompt_graph_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token counts of the prompt-carrying steps that get a CUDA graph (the planner counts them too)."""
-    return [t for t in PROMPT_GRAPH_SIZES if t <= max_num_batched_tokens]
+def prompt_graph_sizes(max_num_batched_tokens: int, capture_size: int) -> list[int]:
+    """Token counts of the prompt-carrying steps that get a CUDA graph (the planner counts them too): the
+    sizes above up to ``capture_size``, then a quarter of the power of two below each further size
+    (640, 768, 896, 1024, 1280, ...), never above the step's token budget."""
+    top = min(max_num_batched_tokens, capture_size)
+    sizes = [t for t in PROMPT_GRAPH_SIZES if t <= top]
+    t = PROMPT_GRAPH_SIZES[-1]
+    while t < top:
+        t = min(top, t + (1 << (t.bit_length() - 1)) // 4)
+        sizes.append(t)
+    return sizes
 
 
 class ModelRunner:
@@ -238,7 +247,7 @@ class ModelRunner:
         first, padding tokens after them (their K/V go to the trash slot), and one empty sequence row that
         the attention tiles a step does not use point at. ``graphs=False`` keeps the same padded steps
         but runs them kernel by kernel (how they are checked where CUDA graphs do not exist)."""
-        sizes = prompt_graph_sizes(self.config.max_num_batched_tokens)
+        sizes = prompt_graph_sizes(self.config.max_num_batched_tokens, self.config.max_cudagraph_capture_size)
         if not sizes:
             return
         t0 = time.perf_counter()
