@@ -1,6 +1,7 @@
 """The reference online test: start `pagedserve serve` with the reference flags (0.88 / 8192 / 16 seqs / 4096
 tokens, chunked prefill), run `bench serve` against it (1024 in, 256 out, 128 prompts at 8 req/s), report
-p95 TTFT, ITL and peak memory and how the ITLs split into modes, then stop the server with SIGTERM.
+p95 TTFT, ITL and peak memory and how the ITLs split into modes, keep the server's /metrics beside the
+result, then stop the server with SIGTERM.
 
 python -m benchmarks.engine.online_serve [--result-dir DIR] [--model Qwen/Qwen3-8B]
 """
@@ -57,6 +58,8 @@ def main() -> None:
                  "--result-filename", "online_seed.json"]
         print("$", " ".join(bench[2:]), flush=True)
         subprocess.run(bench, env=env, check=True)
+        # the server's own view (its TTFT, queue and prefill histograms, step intervals), kept for reading later
+        (Path(ns.result_dir) / "metrics.txt").write_text(httpx.get(f"{url}/metrics", timeout=10).text)
         r = json.loads((Path(ns.result_dir) / "online_seed.json").read_text())
         peak = r.get("server_peak_device_memory_bytes", 0) / 2**30
         print(f"p95 TTFT {r['p95_ttft_ms']:.1f} ms | p95 ITL {r['p95_itl_ms']:.2f} ms | median ITL {r['median_itl_ms']:.2f} ms"
