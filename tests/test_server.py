@@ -309,6 +309,44 @@ def test_api_key_browser_origins_request_ids_and_docs(capsys):
     assert e.value.code == 2 and "--allowed-origins" in capsys.readouterr().err
 
 
+def test_behind_a_proxy_prefix_and_sagemaker_routes(capsys):
+    """--root-path: a proxy strips the prefix, the server's routes and key rules hold as without it and the
+    schema names its URLs with the prefix. SageMaker's /ping answers as /health (no key), and /invocations
+    serves a chat or a completion request by its body, with the key and the ingress limits of both."""
+    key = {"Authorization": "Bearer s3cret"}
+    with running_server(*ENGINE_FLAGS, "--root-path", "/llm", "--api-key", "s3cret") as (url, _):
+        assert httpx.get(f"{url}/health").status_code == 200  # still a public probe under the prefix
+        _error(httpx.get(f"{url}/v1/models"), 401)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(f"{url}/openapi.json", headers=key).json()["servers"] == [{"url": "/llm"}]
+        assert httpx.get(f"{url}/ping").status_code == 200 and httpx.post(f"{url}/ping").status_code == 200
+        _error(httpx.post(f"{url}/invocations", json={"prompt": "Hi"}), 401)
+        done = httpx.post(f"{url}/invocations", headers=key, json={"prompt": "Hi", "max_tokens": 3}).json()
+        assert done["object"] == "text_completion" and done["usage"]["completion_tokens"] == 3
+        chat = httpx.post(f"{url}/invocations", headers=key,
+                          json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).json()
+        assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+        assert "exactly one" in _error(httpx.post(f"{url}/invocations", headers=key, json={"max_tokens": 2}),
+                                       400)["message"]
+        bad = httpx.post(f"{url}/invocations", headers={**key, "Content-Type": "application/json"}, content=b"{")
+        assert "not valid JSON" in _error(bad, 400)["message"]
+        assert _error(httpx.post(f"{url}/invocations", headers=key, json={"prompt": "Hi", "max_tokens": "many"}),
+                      400)["param"] == "max_tokens"
+    with running_server(*ENGINE_FLAGS, "--max-num-queued-reqs", "1") as (url, app):
+        app.state.server.admission.check_room = _always_full
+        assert "full" in _error(httpx.post(f"{url}/invocations", json={"prompt": "Hi"}), 503)["message"]
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "tiny", *ENGINE_FLAGS, "--root-path", "llm/"])
+    assert e.value.code == 2 and "--root-path" in capsys.readouterr().err
+
+
+def _always_full(n: int) -> None:
+    from pagedserve.server.errors import unavailable
+
+    raise unavailable("The server is full.")
+
+
 def test_https_with_a_key_and_certificate(tmp_path, capsys):
     if shutil.which("openssl") is None:
         pytest.skip("openssl makes the test's certificate")

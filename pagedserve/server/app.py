@@ -22,8 +22,8 @@ from pagedserve.server.state import ServerSettings, ServerState
 logger = logging.getLogger(__name__)
 
 # open without --api-key: liveness probes and Prometheus scrapers do not carry the key
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"})
 
 
 def too_large(limit: int) -> str:
@@ -103,6 +103,9 @@ class Gate:
 
     def _refusal(self, scope) -> APIError | None:
         path, key = scope["path"], self.state.settings.api_key
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # behind --root-path the server names its routes with the prefix
+            path = path[len(root):]
         if key and path not in PUBLIC_PATHS:
             header = Headers(scope=scope).get("authorization", "")
             given = header[7:] if header.lower().startswith("bearer ") else ""

@@ -121,6 +121,9 @@ def add_serve_parser(sub) -> None:
                    help="HTTPS: CA certificates that client certificates must chain to.")
     s.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
                    help="HTTPS: client certificates 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*).")
+    s.add_argument("--root-path", default="",
+                   help="The path prefix a reverse proxy serves this server under and strips before forwarding "
+                        "(e.g. /llm): the API docs and their schema name their URLs with it.")
     s.add_argument("--max-stored-responses", type=int, default=0, metavar="N",
                    help="Keep the last N responses of /v1/responses in memory (0: none, the default), to be read "
                         "back (GET /v1/responses/ID) and continued with previous_response_id.")
@@ -200,6 +203,9 @@ def build_server(ns: argparse.Namespace, worker=None):
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser: say how the model writes its calls "
                           "(hermes for Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.1+, mistral for Mistral, "
                           "pythonic for Llama 3.2 and Llama 4).")
+    if ns.root_path and (not ns.root_path.startswith("/") or ns.root_path.endswith("/")):
+        raise ConfigError(f"--root-path {ns.root_path!r}: give a path that starts with / and does not end with one, "
+                          f"e.g. /llm.")
     if not 0 < ns.port < 65536:
         raise ConfigError(f"--port {ns.port} is not a TCP port.")
     config = engine_args_from(ns).create_config(serving=True)
@@ -229,7 +235,7 @@ def build_server(ns: argparse.Namespace, worker=None):
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),
                                timeout_graceful_shutdown=int(ns.shutdown_timeout) + 10, access_log=False,
                                ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
-                               ssl_cert_reqs=ns.ssl_cert_reqs)
+                               ssl_cert_reqs=ns.ssl_cert_reqs, root_path=ns.root_path)
     server = Server(uv_config, engine, ns.shutdown_timeout)
 
     def engine_died() -> None:  # exit, so that a supervisor restarts the server

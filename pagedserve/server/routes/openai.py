@@ -1,4 +1,5 @@
-"""OpenAI's API: ``/v1/completions``, ``/v1/chat/completions`` (streamed as SSE or not) and ``/v1/models``."""
+"""OpenAI's API: ``/v1/completions``, ``/v1/chat/completions`` (streamed as SSE or not) and ``/v1/models``; and
+SageMaker's ``/invocations``, which takes either request."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import Logprob, RequestOutput
@@ -176,6 +179,25 @@ async def _respond(body, raw: Request, streams: list, usage: _Usage, head: dict,
     for i, out in enumerate(finals):
         usage.add(i, out)
     return final(finals, usage.json())
+
+
+@router.post("/invocations")
+async def invocations(raw: Request, state: ServerState = Depends(server_state)):
+    """A chat completion when the body has messages, a completion when it has a prompt (as vLLM routes it)."""
+    try:
+        body = await raw.json()
+    except ValueError as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": str(e),
+                                       "ctx": {"error": str(e)}}]) from e
+    if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
+        raise InvalidRequestError(None, "/invocations takes a chat completion request (with messages) or a "
+                                        "completion request (with prompt): give exactly one of the two.")
+    kind, handler = (ChatCompletionRequest, chat_completions) if "messages" in body else (CompletionRequest, completions)
+    try:
+        request = kind.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from e
+    return await handler(request, raw, state)
 
 
 @router.get("/v1/models")

@@ -1,4 +1,4 @@
-"""Operations: ``/health``, ``/version``, ``/metrics`` (Prometheus), and ``/tokenize`` / ``/detokenize``."""
+"""Operations: ``/health`` (and SageMaker's ``/ping``), ``/version``, ``/metrics`` (Prometheus), and ``/tokenize`` / ``/detokenize``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ async def health(state: ServerState = Depends(server_state)):
     if engine.dead is not None:
         return error_response(APIError(503, f"The engine stopped: {engine.dead!r}", "ServiceUnavailableError"))
     return Response(status_code=200)
+
+
+@router.get("/ping")
+@router.post("/ping")
+async def ping(state: ServerState = Depends(server_state)):
+    """SageMaker's health check."""
+    return await health(state)
 
 
 @router.get("/version")
