@@ -176,6 +176,31 @@ def test_the_engine_step_intervals_of_a_run_come_from_its_histogram():
     assert summary["server_step_interval_p99_ms"] == pytest.approx(15.6)
 
 
+def test_a_server_with_exact_peaks_is_polled_rarely():
+    """Each /metrics render holds the server's event loop; a server that keeps exact peaks needs no
+    frequent poll, one without (vLLM) gets the frequent one its sampled peaks need."""
+    from pagedserve.bench.serve import MetricsScraper
+
+    async def polls(exact: bool) -> int:
+        scraper = MetricsScraper("http://unused", 0.02, {})
+        scraper.exact_peaks, count = exact, []
+
+        async def scrape():
+            count.append(1)
+
+        scraper.scrape = scrape
+        stop = asyncio.Event()
+        task = asyncio.create_task(scraper.run(stop))
+        await asyncio.sleep(0.3)
+        stop.set()
+        await task
+        return len(count)
+
+    assert asyncio.run(polls(True)) == 1  # the next would come EXACT_PEAKS_INTERVAL later
+    assert asyncio.run(polls(False)) >= 5
+    assert MetricsScraper.EXACT_PEAKS_INTERVAL >= 1.0
+
+
 def test_repeats_aggregate_counts_peaks_and_medians():
     reps = [{"completed": 10, "failed": 1, "output_throughput": 100.0, "server_peak_kv_cache_usage": 0.2,
              "server_preemptions": 0, "server_peaks_exact": True},

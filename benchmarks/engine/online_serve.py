@@ -20,6 +20,30 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+SERVER_FLAGS = ("--gpu-memory-utilization 0.88 --max-model-len 8192 --max-num-seqs 16 --max-num-batched-tokens 4096 "
+                "--enable-chunked-prefill")
+BENCH_FLAGS = "--random-input-len 1024 --random-output-len 256 --num-prompts 128 --request-rate 8"
+# bench serve's flags for the ITL percentiles the report reads
+PERCENTILE_FLAGS = ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,95,99"]
+
+
+def report(r: dict) -> None:
+    """The run's summary lines from ``bench serve``'s result: TTFT, ITL and its modes, the engine's steps."""
+    peak = (r.get("server_peak_device_memory_bytes") or 0) / 2**30
+    print(f"p95 TTFT {r['p95_ttft_ms']:.1f} ms | p95 ITL {r['p95_itl_ms']:.2f} ms | median ITL {r['median_itl_ms']:.2f} ms"
+          f" | output {r['output_throughput']:.0f} tok/s | peak device memory {peak:.1f} GiB | preemptions "
+          f"{r.get('server_preemptions')} | failed {r['failed']}")
+    itl = sorted(x * 1000 for stream in r["itls"] for x in stream)
+    median = itl[len(itl) // 2]
+    long = sum(x > 2 * median for x in itl) / len(itl)
+    # ITLs are bimodal: decode-only steps, and the steps a newly admitted prompt's prefill shares;
+    # where the second mode's share crosses 5 %, the p95 jumps between the two
+    pct = {p: itl[min(len(itl) - 1, int(p / 100 * len(itl)))] for p in (90, 94, 95, 96, 99)}
+    print("ITL percentiles (ms): " + ", ".join(f"p{p} {v:.2f}" for p, v in pct.items())
+          + f"; {100 * long:.1f} % of ITLs are over twice the median")
+    if r.get("server_step_interval_p99_ms") is not None:  # long ITLs from long steps, or from streaming
+        print(f"engine step interval p50 {r['server_step_interval_p50_ms']:.2f} ms, "
+              f"p99 {r['server_step_interval_p99_ms']:.2f} ms")
 
 
 def main() -> None:
@@ -27,10 +51,8 @@ def main() -> None:
     ap.add_argument("--model", default="Qwen/Qwen3-8B")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--result-dir", default="results")
-    ap.add_argument("--server-flags", default="--gpu-memory-utilization 0.88 --max-model-len 8192 --max-num-seqs 16 "
-                                              "--max-num-batched-tokens 4096 --enable-chunked-prefill")
-    ap.add_argument("--bench-flags", default="--random-input-len 1024 --random-output-len 256 --num-prompts 128 "
-                                             "--request-rate 8")
+    ap.add_argument("--server-flags", default=SERVER_FLAGS)
+    ap.add_argument("--bench-flags", default=BENCH_FLAGS)
     ns = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
     serve = [sys.executable, "-m", "pagedserve.cli", "serve", ns.model, "--load-format", "dummy", "--port", str(ns.port),
@@ -53,29 +75,13 @@ def main() -> None:
             time.sleep(1)
         print(f"server up after {time.time() - t0:.0f} s", flush=True)
         bench = [sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--model", ns.model, "--host", "127.0.0.1",
-                 "--port", str(ns.port), *ns.bench_flags.split(), "--percentile-metrics", "ttft,tpot,itl,e2el",
-                 "--metric-percentiles", "50,95,99", "--disable-tqdm", "--result-dir", ns.result_dir,
-                 "--result-filename", "online_seed.json"]
+                 "--port", str(ns.port), *ns.bench_flags.split(), *PERCENTILE_FLAGS, "--disable-tqdm",
+                 "--result-dir", ns.result_dir, "--result-filename", "online_seed.json"]
         print("$", " ".join(bench[2:]), flush=True)
         subprocess.run(bench, env=env, check=True)
         # the server's own view (its TTFT, queue and prefill histograms, step intervals), kept for reading later
         (Path(ns.result_dir) / "metrics.txt").write_text(httpx.get(f"{url}/metrics", timeout=10).text)
-        r = json.loads((Path(ns.result_dir) / "online_seed.json").read_text())
-        peak = r.get("server_peak_device_memory_bytes", 0) / 2**30
-        print(f"p95 TTFT {r['p95_ttft_ms']:.1f} ms | p95 ITL {r['p95_itl_ms']:.2f} ms | median ITL {r['median_itl_ms']:.2f} ms"
-              f" | output {r['output_throughput']:.0f} tok/s | peak device memory {peak:.1f} GiB | preemptions "
-              f"{r.get('server_preemptions')} | failed {r['failed']}")
-        itl = sorted(x * 1000 for stream in r["itls"] for x in stream)
-        median = itl[len(itl) // 2]
-        long = sum(x > 2 * median for x in itl) / len(itl)
-        # ITLs are bimodal: decode-only steps, and the steps a newly admitted prompt's prefill shares;
-        # where the second mode's share crosses 5 %, the p95 jumps between the two
-        pct = {p: itl[min(len(itl) - 1, int(p / 100 * len(itl)))] for p in (90, 94, 95, 96, 99)}
-        print("ITL percentiles (ms): " + ", ".join(f"p{p} {v:.2f}" for p, v in pct.items())
-              + f"; {100 * long:.1f} % of ITLs are over twice the median")
-        if r.get("server_step_interval_p99_ms") is not None:  # long ITLs from long steps, or from streaming
-            print(f"engine step interval p50 {r['server_step_interval_p50_ms']:.2f} ms, "
-                  f"p99 {r['server_step_interval_p99_ms']:.2f} ms")
+        report(json.loads((Path(ns.result_dir) / "online_seed.json").read_text()))
     finally:
         server.send_signal(signal.SIGTERM)
         print(f"server exit status after SIGTERM: {server.wait(timeout=120)}")
