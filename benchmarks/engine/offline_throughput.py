@@ -215,7 +215,8 @@ def main() -> None:
           f"({ours['decode_batch_mean']:.0f} requests a step on average; median "
           f"{ours['decode_ms_at_full_batch']:.2f} ms a step at the largest batch)")
     print(f"  at the GPU's peaks ({PEAK_FLOPS / 1e12:.0f} TFLOP/s, {PEAK_BYTES / 1e12:.1f} TB/s), kernels in series: "
-          f"projections {ours['floor_projection_seconds']:.1f} s, decodes' K/V {ours['floor_decode_kv_seconds']:.1f} s, "
+          f"projections {ours['floor_projection_seconds']:.1f} s, "
+          f"decodes' K/V {ours['floor_decode_kv_seconds']:.1f} s, "
           f"prompts' attention {ours['floor_prompt_attention_seconds']:.1f} s; {ours['floor_seconds']:.1f} s in all "
           f"= {ours['output_tokens'] / ours['floor_seconds']:.0f} output tok/s at most, the run at "
           f"{100 * ours['floor_seconds'] / ours['seconds']:.0f} % of it")

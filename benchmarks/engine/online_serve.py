@@ -30,8 +30,9 @@ PERCENTILE_FLAGS = ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-perc
 def report(r: dict) -> None:
     """The run's summary lines from ``bench serve``'s result: TTFT, ITL and its modes, the engine's steps."""
     peak = (r.get("server_peak_device_memory_bytes") or 0) / 2**30
-    print(f"p95 TTFT {r['p95_ttft_ms']:.1f} ms | p95 ITL {r['p95_itl_ms']:.2f} ms | median ITL {r['median_itl_ms']:.2f} ms"
-          f" | output {r['output_throughput']:.0f} tok/s | peak device memory {peak:.1f} GiB | preemptions "
+    print(f"p95 TTFT {r['p95_ttft_ms']:.1f} ms | p95 ITL {r['p95_itl_ms']:.2f} ms | median ITL "
+          f"{r['median_itl_ms']:.2f} ms | output {r['output_throughput']:.0f} tok/s | peak device memory "
+          f"{peak:.1f} GiB | preemptions "
           f"{r.get('server_preemptions')} | failed {r['failed']}")
     itl = sorted(x * 1000 for stream in r["itls"] for x in stream)
     median = itl[len(itl) // 2]

@@ -192,7 +192,8 @@ async def invocations(raw: Request, state: ServerState = Depends(server_state)):
     if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
         raise InvalidRequestError(None, "/invocations takes a chat completion request (with messages) or a "
                                         "completion request (with prompt): give exactly one of the two.")
-    kind, handler = (ChatCompletionRequest, chat_completions) if "messages" in body else (CompletionRequest, completions)
+    chat = "messages" in body
+    kind, handler = (ChatCompletionRequest, chat_completions) if chat else (CompletionRequest, completions)
     try:
         request = kind.model_validate(body)
     except ValidationError as e:

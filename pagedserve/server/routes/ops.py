@@ -1,4 +1,5 @@
-"""Operations: ``/health`` (and SageMaker's ``/ping``), ``/version``, ``/metrics`` (Prometheus), and ``/tokenize`` / ``/detokenize``."""
+"""Operations: ``/health`` (and SageMaker's ``/ping``), ``/version``, ``/metrics`` (Prometheus), and
+``/tokenize`` / ``/detokenize``."""
 
 from __future__ import annotations
 
