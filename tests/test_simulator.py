@@ -306,3 +306,26 @@ def test_a_recording_replayed_faster_on_the_simulator(tmp_path):
     assert doc["mode"] == "replay" and slow["completed"] == fast["completed"] == 40
     assert slow["duration"] == pytest.approx(t[-1] - t[0], rel=0.1)  # the recording's own span, as recorded
     assert fast["duration"] < slow["duration"] / 3
+
+
+def test_the_shipped_8b_calibration_replays_the_ladder_measured_on_the_h200(tmp_path):
+    """The reference ladder as the H200 measured it (kept in benchmarks/sim/measured), simulated on the
+    shipped calibration of the same day: knee and recommendation where the GPU put them, output throughput
+    within 5 % and p95 E2EL within 6 % at every rung (measured: 3 % and 5.1 % at worst). A change to the engine's scheduling that moves this apart
+    either models the GPU worse, or changed what the GPU would measure (then measure the ladder again)."""
+    from pathlib import Path
+
+    measured = json.loads((Path(__file__).parents[1] / "benchmarks/sim/measured/h200-538b850/qwen3-8b/sweep.json")
+                          .read_text())
+    serve_args = measured["command"][measured["command"].index("--serve-args") + 1]
+    main(["bench", "sweep", "--model", "Qwen/Qwen3-8B", "--serve-args", serve_args, "--random-input-len", "1024",
+          "--random-output-len", "256", "--concurrency", "1,2,4,8,16,32", "--disable-tqdm",
+          "--simulate", "h200-qwen3-8b-bf16", "--result-dir", str(tmp_path)])
+    simulated = json.loads((tmp_path / "sweep.json").read_text())
+    (lm,), (ls,) = measured["ladders"], simulated["ladders"]
+    assert (ls["knee"]["knee_load"], ls["knee"]["recommended_load"]) == \
+        (lm["knee"]["knee_load"], lm["knee"]["recommended_load"]) == (32, 16)
+    for rm, rs in zip(lm["rungs"], ls["rungs"], strict=True):
+        assert rs["load"] == rm["load"]
+        for key, bound in (("output_throughput", 0.05), ("p95_e2el_ms", 0.06)):
+            assert rs[key] == pytest.approx(rm[key], rel=bound), (rm["load"], key)

@@ -8,6 +8,8 @@
 #   0.6b     Qwen3-0.6B: the same
 #   preempt  Qwen3-0.6B with a 1 GiB KV cache (about seven requests' worth): a ladder that preempts,
 #            simulated on the 0.6b stage's calibration
+#   stored   no GPU: the three ladders as measured on the H200 (benchmarks/sim/measured/h200-538b850, kept in
+#            the repository) against the shipped calibrations, simulated here
 # The calibrations (RESULT_DIR/cal) are made as calibrate_shipped.sh makes the 16-bit ones it ships.
 set -eu
 R=${1:-results/sim-validate}
@@ -19,10 +21,14 @@ ENGINE="--load-format dummy --max-model-len 16384 --max-num-seqs 256 --max-num-b
 DOC="--load-format dummy --gpu-memory-utilization 0.88 --max-model-len 8192 --max-num-seqs 16 --max-num-batched-tokens 4096 --enable-chunked-prefill"
 WORK="--random-input-len 1024 --random-output-len 256 --concurrency 1,2,4,8,16,32 --disable-tqdm"
 
-ladders() {  # NAME MODEL CALIBRATION SERVE_FLAGS: measure, simulate, compare
-  python3 -m pagedserve.cli bench sweep --model "$2" --serve-args "$4" $WORK --result-dir "$R/$1-measured"
+simulated() {  # NAME MODEL CALIBRATION SERVE_FLAGS MEASURED_DIR: simulate, compare with the measured ladder
   python3 -m pagedserve.cli bench sweep --model "$2" --serve-args "$4" $WORK --simulate "$3" --result-dir "$R/$1-simulated"
-  python3 -m benchmarks.sim.accuracy "$R/$1-measured" "$R/$1-simulated"
+  python3 -m benchmarks.sim.accuracy "$5" "$R/$1-simulated"
+}
+
+ladders() {  # NAME MODEL CALIBRATION SERVE_FLAGS: measure, then as simulated()
+  python3 -m pagedserve.cli bench sweep --model "$2" --serve-args "$4" $WORK --result-dir "$R/$1-measured"
+  simulated "$@" "$R/$1-measured"
 }
 
 for stage in $STAGES; do
@@ -35,7 +41,13 @@ for stage in $STAGES; do
       ladders "qwen3-$stage" "$model" "$cal" "$DOC" ;;
     preempt)
       ladders "qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$R/cal/$GPU-qwen3-0.6b-bf16.json" "$DOC --kv-cache-memory 1GiB" ;;
-    *) echo "unknown stage $stage (8b, 0.6b, preempt)"; exit 2 ;;
+    stored)
+      M=benchmarks/sim/measured/h200-538b850
+      simulated qwen3-8b Qwen/Qwen3-8B h200-qwen3-8b-bf16 "$DOC" $M/qwen3-8b
+      simulated qwen3-0.6b Qwen/Qwen3-0.6B h200-qwen3-0.6b-bf16 "$DOC" $M/qwen3-0.6b
+      simulated qwen3-0.6b-preempt Qwen/Qwen3-0.6B h200-qwen3-0.6b-bf16 "$DOC --kv-cache-memory 1GiB" \
+        $M/qwen3-0.6b-preempt ;;
+    *) echo "unknown stage $stage (8b, 0.6b, preempt, stored)"; exit 2 ;;
   esac
 done
 echo "== $(date +%T) done"
