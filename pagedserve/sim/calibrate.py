@@ -3,7 +3,8 @@
 The steps are built directly as ``StepInputs`` (no scheduler), so the grid covers what a ladder will ask
 for in a minute or two: decode batches at several context lengths, prompt chunks at several offsets, and
 the two mixed. Each is run through the engine's own worker (CUDA graphs, attention kernels, sampler) and
-timed from launch to the sampled tokens on the host; the median of a few runs is kept.
+timed from launch to the sampled tokens on the host (the median of a few runs), for the host's part
+before the launch returns, and back to back with one in flight (the period the engine would see).
 
 Then the server's own work a step: a real server (uvicorn on loopback, the engine's scheduler, output
 processing and streaming) over a worker whose steps take no time, driven by ``bench serve`` in its own
@@ -86,9 +87,11 @@ def step_grid(config: EngineConfig, num_blocks: int) -> list[list[tuple[int, int
     return [s for s in shapes if fits(s)]
 
 
-def time_step(worker, inp: StepInputs) -> tuple[float, float]:
+def time_step(worker, inp: StepInputs) -> tuple[float, float, float]:
     """Median seconds from starting the step to its tokens on the host, and of the host's part before the
-    launch returns (on a GPU; on the CPU the step computes in that part, and nothing overlaps)."""
+    launch returns (on a GPU; on the CPU the step computes in that part, and nothing overlaps); then the
+    step's period launched back to back with one in flight, as the engine runs them: the device's time
+    where the device is slower than the launches, else the launches'."""
     cuda = worker.device.type == "cuda"
     times, launches = [], []
     for i in range(_WARMUPS + _REPEATS):
@@ -101,7 +104,18 @@ def time_step(worker, inp: StepInputs) -> tuple[float, float]:
         if i >= _WARMUPS:
             times.append(time.perf_counter() - t0)
             launches.append(t1 - t0 if cuda else 0.0)
-    return statistics.median(times), statistics.median(launches)
+    if cuda:
+        torch.cuda.synchronize()
+    t0, in_flight = time.perf_counter(), None
+    for _ in range(_REPEATS + 1):  # the first launch's own wait is not a period's
+        pending = worker.execute(inp, SamplingInputs.greedy_only())
+        if in_flight is not None:
+            in_flight.wait()
+        else:
+            t0 = time.perf_counter()
+        in_flight = pending
+    in_flight.wait()
+    return statistics.median(times), statistics.median(launches), (time.perf_counter() - t0) / _REPEATS
 
 
 def git_commit() -> str | None:
@@ -175,10 +189,10 @@ def calibrate(args, log=print) -> Calibration:
         for k, shape in enumerate(shapes):
             inp = synthetic_step(shape, config.block_size, worker.budget.num_blocks, config.model.vocab_size, rng)
             t, ctx, work, keys = step_features(inp)
-            seconds, launch = time_step(worker, inp)
+            seconds, launch, period = time_step(worker, inp)
             samples.append({"tokens": t, "decode_context": ctx, "prefill_work": work, "prefill_keys": keys,
                             "seqs": len(shape), "kind": step_kind(inp, caps), "seconds": seconds,
-                            "launch": launch})
+                            "launch": launch, "period": period})
             log(f"[{k + 1}/{len(shapes)}] {len(shape)} seqs, {t} tokens, {ctx} decode context: {1e3 * seconds:.3f} ms")
         cost, err = CostModel.fit(samples)
         cost = cost.with_launch(samples)

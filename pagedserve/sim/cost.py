@@ -134,8 +134,7 @@ class CostModel:
         if len(samples) < 5:
             raise ConfigError("A cost model needs at least five measured steps.")
         x = np.array([[s[f] for f in FEATURES] for s in samples], dtype=float)
-        # a graph step's device part: the time to its tokens less the host's part before the launch
-        y = np.array([s["seconds"] - (s.get("launch", 0.0) if s["kind"] in GRAPHED else 0.0) for s in samples])
+        y = np.array([_device_part(s) for s in samples])
         kind = np.array([s["kind"] for s in samples])
         eager, mixed, single = kind == "eager", kind == "mixed", kind == "single"
 
@@ -180,6 +179,16 @@ class CostModel:
 
     def with_request_latency(self, seconds: float) -> "CostModel":
         return dataclasses.replace(self, request_latency=max(0.0, float(seconds)))
+
+
+def _device_part(sample: dict) -> float:
+    """What a measured step holds the device for. A step launched kernel by kernel: its time to its tokens.
+    A graph step: its period launched back to back with one in flight (the host's part then overlaps the
+    step before, and the launch is part of the step only where it is the longer); samples without one (older
+    calibrations) give their time to the tokens less the host's part before the launch returns."""
+    if sample["kind"] not in GRAPHED:
+        return sample["seconds"]
+    return sample["period"] if "period" in sample else sample["seconds"] - sample.get("launch", 0.0)
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
