@@ -106,13 +106,11 @@ def time_step(worker, inp: StepInputs) -> tuple[float, float, float]:
             launches.append(t1 - t0 if cuda else 0.0)
     if cuda:
         torch.cuda.synchronize()
-    t0, in_flight = time.perf_counter(), None
-    for _ in range(_REPEATS + 1):  # the first launch's own wait is not a period's
+    in_flight = worker.execute(inp, SamplingInputs.greedy_only())
+    t0 = time.perf_counter()  # from the first launch's return: its own launch is not a period's
+    for _ in range(_REPEATS):
         pending = worker.execute(inp, SamplingInputs.greedy_only())
-        if in_flight is not None:
-            in_flight.wait()
-        else:
-            t0 = time.perf_counter()
+        in_flight.wait()
         in_flight = pending
     in_flight.wait()
     return statistics.median(times), statistics.median(launches), (time.perf_counter() - t0) / _REPEATS
