@@ -16,10 +16,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.engine.online_serve import BENCH_FLAGS, PERCENTILE_FLAGS, SERVER_FLAGS, report
-from pagedserve.args import Parser
-from pagedserve.bench.launch import bench_serve, free_port
-from pagedserve.server.cli import add_serve_parser, build_server, serving_in_thread
-from pagedserve.sim.executor import SimulatedWorker
+from pagedserve.bench.launch import bench_serve
+from pagedserve.sim.calibrate import paced_server
 from pagedserve.sim.ladder import Simulation
 
 
@@ -30,17 +28,11 @@ def main() -> None:
     ap.add_argument("--bench-flags", default=BENCH_FLAGS)
     ns = ap.parse_args()
     sim = Simulation.load(ns.simulate)
-    model, flags = sim.calibration.model, ["--load-format", "dummy", *ns.server_flags.split()]
-    config, budget = sim.engine(model, flags)
-    port = free_port()
-    parser = Parser()
-    add_serve_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", model, *flags, "--port", str(port), "--disable-log-stats",
-                              "--uvicorn-log-level", "warning", "--log-level", "warning"])
-    server = build_server(args, worker=SimulatedWorker(config, budget, sim.calibration.cost, paced=True))
-    with serving_in_thread(server), tempfile.TemporaryDirectory() as tmp:
-        result = bench_serve(f"http://127.0.0.1:{port}", [*ns.bench_flags.split(), *PERCENTILE_FLAGS],
-                             Path(tmp) / "run.json")
+    model = sim.calibration.model
+    config, budget = sim.engine(model, ["--load-format", "dummy", *ns.server_flags.split()])
+    with paced_server(config, budget, sim.calibration.cost, "--log-level", "warning") as (url, _), \
+            tempfile.TemporaryDirectory() as tmp:
+        result = bench_serve(url, [*ns.bench_flags.split(), *PERCENTILE_FLAGS], Path(tmp) / "run.json")
     print(f"{model} on {sim.calibration.gpu}, paced by {ns.simulate}; the server's host work on this machine:")
     report(result)
 

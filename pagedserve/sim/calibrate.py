@@ -15,6 +15,7 @@ the TTFT of one request at a time over steps of 2 ms, less what the simulator gi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -127,12 +129,12 @@ def git_commit() -> str | None:
         return None
 
 
-def bench_server(config, budget, cost: CostModel, levels, log=print) -> list[dict]:
-    """The server of ``config`` (a serving one) over a paced worker priced by ``cost``, driven by ``bench
-    serve`` (its own process) at each level of requests in flight: the runs' shapes, their mean time a step
-    and requests a step, and their median TTFT."""
+@contextlib.contextmanager
+def paced_server(config, budget, cost: CostModel, *flags: str) -> Iterator[tuple[str, object]]:
+    """A real server for ``config`` (a serving one; uvicorn on loopback, in a thread) over a worker whose
+    steps each sleep what ``cost`` prices them at: (its URL, the server). ``flags``: more serve flags."""
     from pagedserve.args import Parser, engine_flags
-    from pagedserve.bench.launch import bench_serve, free_port
+    from pagedserve.bench.launch import free_port
     from pagedserve.server.cli import add_serve_parser, build_server, serving_in_thread
     from pagedserve.sim.executor import SimulatedWorker
 
@@ -140,17 +142,27 @@ def bench_server(config, budget, cost: CostModel, levels, log=print) -> list[dic
     parser = Parser()
     add_serve_parser(parser.add_subparsers())
     ns = parser.parse_args(["serve", config.args.model, *engine_flags(config.args), "--port", str(port),
-                            "--disable-log-stats", "--uvicorn-log-level", "warning"])
+                            "--disable-log-stats", "--uvicorn-log-level", "warning", *flags])
     server = build_server(ns, worker=SimulatedWorker(config, budget, cost, paced=True))
-    counters = server.config.app.state.engine.core.counters
+    with serving_in_thread(server):
+        yield f"http://127.0.0.1:{port}", server
+
+
+def bench_server(config, budget, cost: CostModel, levels, log=print) -> list[dict]:
+    """The server of ``config`` (a serving one) over a paced worker priced by ``cost``, driven by ``bench
+    serve`` (its own process) at each level of requests in flight: the runs' shapes, their mean time a step
+    and requests a step, and their median TTFT."""
+    from pagedserve.bench.launch import bench_serve
+
     # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
     out_len, in_len = min(512, config.max_model_len // 2), min(64, config.max_model_len // 4)
     runs = []
-    with serving_in_thread(server), tempfile.TemporaryDirectory() as tmp:
+    with paced_server(config, budget, cost) as (url, server), tempfile.TemporaryDirectory() as tmp:
+        counters = server.config.app.state.engine.core.counters
         for c in [n for n in levels if n <= config.max_num_seqs]:
             steps, tokens, cpu = counters.num_steps, counters.generation_tokens, time.process_time()
             prompts = max(8, 2 * c)
-            run = bench_serve(f"http://127.0.0.1:{port}", [
+            run = bench_serve(url, [
                 "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(prompts),
                 "--max-concurrency", str(c), "--num-warmups", "0"], Path(tmp) / "host.json")
             steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
