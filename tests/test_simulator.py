@@ -45,7 +45,7 @@ def test_one_request_on_a_flat_cost_is_hand_checkable():
 class Recording:
     """A cost that records every step's tokens (to check the limits) and charges by tokens."""
 
-    request_latency = 0.0
+    request_latency = ingress_spacing = 0.0
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -87,7 +87,7 @@ def test_open_loop_arrivals_follow_the_rate():
 
 def test_the_fit_recovers_a_known_model_and_reads_back():
     truth = CostModel(breakpoint=128, per_token=2e-5, per_context=3e-8, per_prefill_work=1.5e-12, fixed=3e-3,
-                      eager_floor=0.012, mixed_floor=0.02, single=4.2e-3, per_prefill_key=1e-6)
+                      eager_floor=0.012, mixed_floor=0.02, single=4.2e-3, per_prefill_key=1e-6, both_paths=1.5e-3)
     # a graph step's time to its tokens also holds the host's part before its launch: 0.3 ms + 2 us a request
     launch = dataclasses.replace(truth, launch_fixed=3e-4, launch_per_seq=2e-6)
     samples = []
@@ -95,6 +95,8 @@ def test_the_fit_recovers_a_known_model_and_reads_back():
             [("single", 1, c, 0, 0) for c in (128, 1024, 8192)] + \
             [("graph", t, 0, t * (t + o), t + o) for t in (16, 64, 256) for o in (0, 2048, 6144)] + \
             [("eager", t, 0, t * (t + o), t + o) for t in (1024, 4096, 8192) for o in (0, 4096)] + \
+            [("graph", t + b, b * 1024, t * (t + o), t + o) for b in (1, 4, 16) for t in (64, 256)
+             for o in (0, 768)] + \
             [("mixed", t + b, b * 1024, t * t, t) for b in (4, 64) for t in (2048, 8192)]:
         seqs = t if k and not q else 1
         host = launch.launch_seconds(kind, seqs, t)
@@ -102,7 +104,7 @@ def test_the_fit_recovers_a_known_model_and_reads_back():
                         "seqs": seqs, "seconds": truth.seconds(t, k, q, n, kind) + host, "launch": host})
     cost, err = CostModel.fit(samples)
     cost = cost.with_launch(samples)
-    assert err < 0.01
+    assert err < 0.01 and cost.both_paths == pytest.approx(1.5e-3, rel=0.05)
     assert (cost.launch_fixed, cost.launch_per_seq) == pytest.approx((3e-4, 2e-6), rel=1e-6)
     for s in samples:  # the device's part, without the host's before the launch
         assert cost.seconds(s["tokens"], s["decode_context"], s["prefill_work"], s["prefill_keys"], s["kind"]) == \
@@ -126,13 +128,13 @@ def test_shipped_calibrations_load_and_describe_themselves():
     cal = load_calibration("h200-qwen3-8b-bf16")
     assert cal.model == "Qwen/Qwen3-8B" and cal.gpu == "NVIDIA H200" and cal.mape < 0.1
     assert "an eager step takes at least" in cal.describe() and cal.commit
-    # the fit, redone on the shipped samples (the steps', the host's), is the shipped model; the way in is
-    # a measured time, not a fit
+    # the fit, redone on the shipped samples (the steps', the host's), is the shipped model; the way in (its
+    # latency, and the spacing of requests sent at once) is measured, not fitted
     assert cal.cost.host_fixed > 0 and cal.cost.host_per_seq > 0 and cal.cost.request_latency > 0
     # the 8B one times a graph step's host part apart (its launch terms), the others carry it in the device's
     assert cal.cost.launch_fixed > 0 and "hidden behind the step before" in cal.describe()
     refit = CostModel.fit(cal.samples)[0].with_launch(cal.samples).with_host(cal.host_samples) \
-        .with_request_latency(cal.cost.request_latency)
+        .with_request_latency(cal.cost.request_latency).with_ingress_spacing(cal.cost.ingress_spacing)
     # to the last bits that another machine's BLAS may round apart
     assert dataclasses.asdict(refit) == pytest.approx(dataclasses.asdict(cal.cost), rel=1e-9)
     with pytest.raises(ConfigError, match="neither a calibration file nor one of the shipped ones"):
@@ -167,8 +169,11 @@ def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):
     assert host.host_seconds(1) == pytest.approx(one["seconds"], rel=0.05)
     assert host.host_seconds(eight["seqs"]) == pytest.approx(eight["seconds"], rel=0.05)
     assert "the server's host work a step" in cal.describe() and "a request's way in" in cal.describe()
-    # the way in: TTFT of one request at a time over 2 ms steps, less the simulated run's
-    assert 0 < host.request_latency < 0.5
+    # the way in: TTFT of one request at a time over 2 ms steps, less the simulated run's; then a burst of
+    # 16 sent at once, whose median TTFT the simulator gives with requests reaching the engine a spacing apart
+    assert 0 < host.request_latency < 0.5 and 0 <= host.ingress_spacing < 0.5
+    one_at_a_time, burst = cal.way_in_samples
+    assert (one_at_a_time["in_flight"], burst["in_flight"], burst["prompts"]) == (1, 16, 16)
 
 
 def test_a_request_reaches_the_engine_its_way_in_after_it_is_sent():
@@ -179,6 +184,25 @@ def test_a_request_reaches_the_engine_its_way_in_after_it_is_sent():
     r = simulate_load(config, budget, slow_in, [SampleRequest(list(range(16)), 16, 3)] * 2, max_concurrency=1)
     assert r["mean_ttft_ms"] == pytest.approx(15.0) and r["mean_itl_ms"] == pytest.approx(10.0)
     assert r["mean_e2el_ms"] == pytest.approx(35.0) and r["duration"] == pytest.approx(0.07)
+
+
+def test_requests_sent_at_once_reach_the_engine_one_after_another():
+    # three 16-token prompts sent at once, 5 ms on the way in and 4 ms apart, steps of 10 ms: the first is
+    # in at 5 ms and its prompt step ends at 15; the others (in at 9 and 13) miss the step scheduled while
+    # that one runs (its decode, 15 to 25) and go in the one after, which ends at 35; without the spacing
+    # all three share the first step
+    config, budget = engine()
+    slow_in = dataclasses.replace(FLAT, request_latency=5e-3)
+    three = [SampleRequest(list(range(16 * i, 16 * i + 16)), 16, 2) for i in range(3)]
+    at_once = simulate_load(config, budget, slow_in, three)
+    assert at_once["mean_ttft_ms"] == pytest.approx(15.0) and at_once["simulated_steps"] == 2
+    spaced = simulate_load(config, budget, slow_in.with_ingress_spacing(4e-3), three)
+    assert spaced["median_ttft_ms"] == pytest.approx(35.0) and spaced["mean_ttft_ms"] == pytest.approx(85 / 3)
+    assert spaced["simulated_steps"] == 4
+    # one request at a time (a closed loop of one) is never held by the spacing: the request before went in
+    # long ago
+    one = simulate_load(config, budget, slow_in.with_ingress_spacing(4e-3), three, max_concurrency=1)
+    assert one["mean_ttft_ms"] == pytest.approx(15.0)
 
 
 def test_a_step_lasts_the_longer_of_the_device_and_the_host():
@@ -263,7 +287,7 @@ def test_a_preset_or_a_size_gives_the_simulated_gpu_its_memory():
 def test_another_gpu_scales_what_computes_by_compute_and_the_rest_by_bandwidth():
     cost = CostModel(breakpoint=100, per_token=2e-5, per_context=4e-8, per_prefill_work=1e-9, fixed=1e-3,
                      eager_floor=4e-3, mixed_floor=5e-3, single=3e-3, per_prefill_key=1e-6, host_fixed=2e-4,
-                     host_per_seq=1e-5, request_latency=1e-3)
+                     host_per_seq=1e-5, request_latency=1e-3, ingress_spacing=5e-4, both_paths=1e-3)
     slower = cost.on_faster_gpu(compute=0.5, bandwidth=0.25)
     # below the breakpoint a step reads the weights (2 ms here): 4x; above it, the tokens compute: 2x
     assert slower.breakpoint * slower.per_token == pytest.approx(4 * 100 * 2e-5)
@@ -272,7 +296,10 @@ def test_another_gpu_scales_what_computes_by_compute_and_the_rest_by_bandwidth()
     assert slower.device_seconds(0, 0, 1000, 50) - slower.device_seconds(0, 0, 0, 0) == \
         pytest.approx(2 * 1000 * 1e-9 + 4 * 50 * 1e-6)
     assert slower.seconds(1, 0, 0, 0, "single") == pytest.approx(4 * 3e-3)
-    kept = ("eager_floor", "mixed_floor", "host_fixed", "host_per_seq", "request_latency")  # the host's
+    # a step with decodes and a prompt chunk also runs the second attention path's small kernels: 4x
+    assert slower.device_seconds(1, 100, 1000, 50) - slower.device_seconds(1, 0, 0, 50) == \
+        pytest.approx(4 * (100 * 4e-8 + 1e-3) + 2 * 1000 * 1e-9)
+    kept = ("eager_floor", "mixed_floor", "host_fixed", "host_per_seq", "request_latency", "ingress_spacing")
     assert all(getattr(slower, k) == getattr(cost, k) for k in kept)
 
 

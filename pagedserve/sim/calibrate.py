@@ -9,7 +9,9 @@ before the launch returns, and back to back with one in flight (the period the e
 Then the server's own work a step: a real server (uvicorn on loopback, the engine's scheduler, output
 processing and streaming) over a worker whose steps take no time, driven by ``bench serve`` in its own
 process at a few concurrencies; each step then lasts what the host spends on it. And a request's way in:
-the TTFT of one request at a time over steps of 2 ms, less what the simulator gives for that run.
+the TTFT of one request at a time over steps of 2 ms, less what the simulator gives for that run; then
+how far apart requests sent at once reach the engine: the spacing at which the simulator gives a burst of
+them the median TTFT the server gave.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pagedserve.sim.cost import Calibration, CostModel, graph_caps, step_kind, s
 
 _WARMUPS, _REPEATS = 2, 5
 _HOST_LEVELS = (1, 4, 16, 64, 256)  # requests in flight at which the server's host work is timed
+_BURST = 16  # requests sent at once to time their spacing on the way in
 # a worker whose steps take no time: the server around it then runs as fast as its host allows
 FREE_STEPS = CostModel(breakpoint=1, per_token=0, per_context=0, per_prefill_work=0, fixed=0, eager_floor=0,
                        mixed_floor=0, single=0)
@@ -72,7 +75,8 @@ def synthetic_step(seqs: list[tuple[int, int]], block_size: int, num_blocks: int
 
 
 def step_grid(config: EngineConfig, num_blocks: int) -> list[list[tuple[int, int]]]:
-    """The shapes timed: decode batches x contexts, prompt chunks x offsets, and decodes with a chunk."""
+    """The shapes timed: decode batches x contexts, prompt chunks x offsets, and decodes with a chunk: large
+    ones (a burst of prompts) and the small ones a server's bound on prompt tokens beside decodes makes."""
     cap_tokens = num_blocks * config.block_size
     max_len, seqs_cap, chunk_cap = config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens
 
@@ -86,6 +90,7 @@ def step_grid(config: EngineConfig, num_blocks: int) -> list[list[tuple[int, int
     chunks = [t for t in (16, 64, 256, 1024, 2048, 4096, 8192) if t <= chunk_cap]
     shapes += [[(t, t + offset)] for t in chunks for offset in (0, 2048, 6144)]
     shapes += [[(1, 1024)] * b + [(t, t)] for b in batches[2::2] for t in (256, 2048)]
+    shapes += [[(1, 1024)] * b + [(t, t + offset)] for b in (1, 2, 8) for t in (64, 256) for offset in (0, 768)]
     return [s for s in shapes if fits(s)]
 
 
@@ -148,10 +153,11 @@ def paced_server(config, budget, cost: CostModel, *flags: str) -> Iterator[tuple
         yield f"http://127.0.0.1:{port}", server
 
 
-def bench_server(config, budget, cost: CostModel, levels, log=print) -> list[dict]:
+def bench_server(config, budget, cost: CostModel, levels, log=print, burst: bool = False) -> list[dict]:
     """The server of ``config`` (a serving one) over a paced worker priced by ``cost``, driven by ``bench
     serve`` (its own process) at each level of requests in flight: the runs' shapes, their mean time a step
-    and requests a step, and their median TTFT."""
+    and requests a step, and their median TTFT. ``burst``: a level's requests are sent at once, one
+    round of them (else two rounds through the closed loop)."""
     from pagedserve.bench.launch import bench_serve
 
     # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
@@ -161,7 +167,7 @@ def bench_server(config, budget, cost: CostModel, levels, log=print) -> list[dic
         counters = server.config.app.state.engine.core.counters
         for c in [n for n in levels if n <= config.max_num_seqs]:
             steps, tokens, cpu = counters.num_steps, counters.generation_tokens, time.process_time()
-            prompts = max(8, 2 * c)
+            prompts = c if burst else max(8, 2 * c)
             run = bench_serve(url, [
                 "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(prompts),
                 "--max-concurrency", str(c), "--num-warmups", "0"], Path(tmp) / "host.json")
@@ -175,15 +181,45 @@ def bench_server(config, budget, cost: CostModel, levels, log=print) -> list[dic
     return runs
 
 
-def request_latency(config, budget, cost: CostModel, run: dict) -> float:
-    """What a request's way in adds to its TTFT: the median TTFT of ``run`` (``bench_server`` over a worker
-    priced by ``cost``), less the simulator's for the same run and cost."""
+def _simulated(config, budget, cost: CostModel, run: dict) -> dict:
+    """The simulator's result for ``run`` (a ``bench_server`` run: its shapes, distinct prompts)."""
     from pagedserve.bench.datasets import SampleRequest
     from pagedserve.sim.load import simulate_load
 
-    sample = SampleRequest(list(range(run["input_len"])), run["input_len"], run["output_len"])
-    sim = simulate_load(config, budget, cost, [sample] * run["prompts"], max_concurrency=run["in_flight"])
-    return run["median_ttft"] - sim["median_ttft_ms"] / 1e3
+    n = run["input_len"]
+    samples = [SampleRequest(list(range(i * n, (i + 1) * n)), n, run["output_len"]) for i in range(run["prompts"])]
+    return simulate_load(config, budget, cost, samples, max_concurrency=run["in_flight"])
+
+
+def request_latency(config, budget, cost: CostModel, run: dict) -> float:
+    """What a request's way in adds to its TTFT: the median TTFT of ``run`` (``bench_server`` over a worker
+    priced by ``cost``, one request at a time), less the simulator's for the same run and cost."""
+    return run["median_ttft"] - _simulated(config, budget, cost, run)["median_ttft_ms"] / 1e3
+
+
+def ingress_spacing(config, budget, cost: CostModel, run: dict) -> float:
+    """How far apart requests sent at once reach the engine: the spacing at which the simulator gives
+    ``run`` (``bench_server`` over a worker priced by ``cost``, which holds the request latency; its first
+    round sent at once) its measured median TTFT. That grows with the spacing: a bisection finds it (to 10 us)."""
+    def median_ttft(spacing: float) -> float:
+        return _simulated(config, budget, cost.with_ingress_spacing(spacing), run)["median_ttft_ms"] / 1e3
+
+    lo, hi = 0.0, max(run["median_ttft"], 1e-3)
+    if median_ttft(lo) >= run["median_ttft"]:
+        return 0.0
+    while hi - lo > 1e-5:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if median_ttft(mid) < run["median_ttft"] else (lo, mid)
+    return hi
+
+
+def burst_spacing(serving, budget, cost: CostModel, log=print) -> tuple[float, dict]:
+    """(the ingress spacing, the run it was fitted to): a burst of requests sent at once to the server of
+    ``serving`` over steps of 2 ms, with ``cost``'s host terms and request latency."""
+    paced = dataclasses.replace(_PACED, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq,
+                                request_latency=cost.request_latency)
+    run = bench_server(serving, budget, paced, (min(_BURST, serving.max_num_seqs),), log, burst=True)[0]
+    return ingress_spacing(serving, budget, paced, run), run
 
 
 def calibrate(args, log=print) -> Calibration:
@@ -218,14 +254,16 @@ def calibrate(args, log=print) -> Calibration:
     host = bench_server(serving, budget, FREE_STEPS, _HOST_LEVELS, log)
     cost = cost.with_host(host)
     # the way in: one request at a time over steps of a device's length (the server's threads then
-    # share the GIL as they do over a GPU)
+    # share the GIL as they do over a GPU), then a burst of requests sent at once
     paced = dataclasses.replace(_PACED, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq)
     way_in = bench_server(serving, budget, paced, (1,), log)[0]
     cost = cost.with_request_latency(request_latency(serving, budget, paced, way_in))
+    spacing, burst = burst_spacing(serving, budget, cost, log)
+    cost = cost.with_ingress_spacing(spacing)
     return Calibration(model=args.model, dtype=dtype_name(config.dtype),
                        kv_cache_dtype=dtype_name(config.kv_dtype), gpu=gpu, gpu_memory_bytes=total,
                        engine_args={k: v for k, v in vars(args).items() if v is not None},
-                       cost=cost, mape=err, samples=samples, host_samples=host,
+                       cost=cost, mape=err, samples=samples, host_samples=host, way_in_samples=[way_in, burst],
                        date=datetime.date.today().isoformat(), commit=git_commit(),
                        pagedserve_version=pagedserve.__version__)
 

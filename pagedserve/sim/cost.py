@@ -1,6 +1,6 @@
 """What a step costs on one GPU, from what the step holds: a model fitted to steps measured there.
 
-    device seconds = e + b * max(T*, T) + c * K + d * Q + f * L
+    device seconds = e + b * max(T*, T) + c * K + d * Q + f * L + p * [K > 0 and Q > 0]
     step seconds   = device seconds for a CUDA-graph replay, max(H, device seconds) for an eager step,
                      max(M, device seconds) for an eager step that mixes decodes and prompt chunks,
                      S + c * K for one sequence's decode; and never less than the server's host work,
@@ -11,16 +11,19 @@ compute 2 x params FLOPs a token: below T* tokens reading the weights is the cos
 (a roofline), hence b * max(T*, T). K: context tokens the decodes' attention reads (their K/V bytes).
 Q: for prompt chunks, query tokens x positions attended (prefill attention grows with both). L: for
 prompt chunks, the positions attended: a short chunk over a long context is a few programs each walking
-every key in turn, so its time follows the context, not the work. e: what every step pays (sampling, the
-copy of the tokens back). H: an eager step (a decode batch without a graph, or more prompt tokens than
+every key in turn, so its time follows the context, not the work. p: a step that holds decodes and prompt
+chunks runs both attention paths in every layer (the decode kernel and the prefill one, each with its own
+launch and tail), which a step of one kind does not. e: what every step pays (sampling, the copy of the
+tokens back). H: an eager step (a decode batch without a graph, or more prompt tokens than
 the largest prompt graph) cannot end before the host has launched its kernels one by one; M: the same
 for a mixed step, which launches both attention paths in every layer. S: one sequence decodes on the
 one-row GEMV path, its own weights' read. R: requests in the step; g and h: the server's scheduling,
 output processing and streaming, which run while the device computes and bound the step when they take
 longer (small models). Apart from steps, a request reaches the engine a fixed time after it is sent (the
-HTTP request, tokenizing, admission). Fitted by least squares on relative error over a scan of T*, H and
-M (the host's terms on their own measurements); each coefficient keeps a physical meaning, so a
-calibration can be read and checked.
+HTTP request, tokenizing, admission), and requests sent at once reach it one after another, a fixed
+spacing apart: the client and the server's way in handle one request at a time. Fitted by least squares
+on relative error over a scan of T*, H and M (the host's terms on their own measurements); each
+coefficient keeps a physical meaning, so a calibration can be read and checked.
 """
 
 from __future__ import annotations
@@ -81,9 +84,11 @@ class CostModel:
     mixed_floor: float       # M: the same for a step that mixes decodes and prompt chunks
     single: float            # S: seconds of one sequence's decode step before its context
     per_prefill_key: float = 0.0  # f: seconds a position a prompt chunk attends (its keys' serial walk)
+    both_paths: float = 0.0       # p: seconds a step with decodes and prompt chunks pays for both attention paths
     host_fixed: float = 0.0       # the server's own work a step (scheduling, inputs, outputs, streaming) ...
     host_per_seq: float = 0.0     # ... and a request in the step: a step takes at least this host time
     request_latency: float = 0.0  # from a client sending a request to the engine taking it in (HTTP, tokenizing)
+    ingress_spacing: float = 0.0  # between two requests sent at once reaching the engine
     # the host's part of a graph step (its inputs, the launch), done while the step before runs: the
     # device's terms above are then what remains of the step
     launch_fixed: float = 0.0
@@ -95,14 +100,15 @@ class CostModel:
         fast at reading memory (ratios below 1: slower). What computes (tokens above T*, prefill
         attention) scales with the compute; the rest of the device's work with the bandwidth: the weights'
         read below T*, the decodes' context, a prompt chunk's walk over its keys, one sequence's decode,
-        and the fixed part (small kernels, whose time is memory traffic; the fit also puts part of the
-        weights' read there). The launch floors and the server's terms belong to the host and are kept.
-        First order: the fractions of the peaks that kernels reach differ between GPUs."""
+        the fixed part and the second attention path's (small kernels, whose time is memory traffic; the
+        fit also puts part of the weights' read there). The launch floors and the server's terms belong to
+        the host and are kept. First order: the fractions of the peaks that kernels reach differ between
+        GPUs."""
         return dataclasses.replace(
             self, breakpoint=self.breakpoint * compute / bandwidth, per_token=self.per_token / compute,
             per_context=self.per_context / bandwidth, per_prefill_work=self.per_prefill_work / compute,
             per_prefill_key=self.per_prefill_key / bandwidth, single=self.single / bandwidth,
-            fixed=self.fixed / bandwidth)
+            fixed=self.fixed / bandwidth, both_paths=self.both_paths / bandwidth)
 
     def host_seconds(self, seqs: int) -> float:
         return self.host_fixed + self.host_per_seq * seqs
@@ -116,7 +122,8 @@ class CostModel:
 
     def device_seconds(self, tokens: int, decode_context: int, prefill_work: int, prefill_keys: int) -> float:
         return (self.fixed + self.per_token * max(self.breakpoint, tokens) + self.per_context * decode_context
-                + self.per_prefill_work * prefill_work + self.per_prefill_key * prefill_keys)
+                + self.per_prefill_work * prefill_work + self.per_prefill_key * prefill_keys
+                + (self.both_paths if decode_context and prefill_work else 0.0))
 
     def seconds(self, tokens: int, decode_context: int, prefill_work: int, prefill_keys: int, kind: str) -> float:
         if kind == "single":
@@ -142,7 +149,9 @@ class CostModel:
             return np.concatenate([[0.0], np.unique(y[mask & (y <= np.median(y[mask]))])]) if mask.any() else np.zeros(1)
 
         bps = np.unique(np.concatenate([[1.0], np.geomspace(1, max(2.0, x[:, 0].max()), 64)]))
-        a_all = [np.column_stack([np.maximum(bp, x[:, 0]), x[:, 1], x[:, 2], x[:, 3], np.ones(len(y))]) for bp in bps]
+        both = ((x[:, 1] > 0) & (x[:, 2] > 0)).astype(float)
+        a_all = [np.column_stack([np.maximum(bp, x[:, 0]), x[:, 1], x[:, 2], x[:, 3], both, np.ones(len(y))])
+                 for bp in bps]
         best = None
         for h in candidates(eager):
             for m in candidates(mixed):
@@ -156,8 +165,9 @@ class CostModel:
                     err = float(np.mean(np.abs(pred - y) / y))
                     if best is None or err < best[0]:
                         best = (err, h, m, one, bp, coef)
-        err, h, m, one, bp, (b, c, d, f, e) = best
-        return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m), one, float(f)), err
+        err, h, m, one, bp, (b, c, d, f, p, e) = best
+        return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m), one, float(f),
+                   float(p)), err
 
     def with_launch(self, samples: list[dict]) -> "CostModel":
         """This model with the launch terms fitted (least squares, non-negative) to the graph steps of
@@ -179,6 +189,9 @@ class CostModel:
 
     def with_request_latency(self, seconds: float) -> "CostModel":
         return dataclasses.replace(self, request_latency=max(0.0, float(seconds)))
+
+    def with_ingress_spacing(self, seconds: float) -> "CostModel":
+        return dataclasses.replace(self, ingress_spacing=max(0.0, float(seconds)))
 
 
 def _device_part(sample: dict) -> float:
@@ -218,9 +231,11 @@ class Calibration:
     mape: float                   # the fit's mean absolute percentage error on its own samples
     samples: list[dict] = field(default_factory=list)
     host_samples: list[dict] = field(default_factory=list)  # the server's host time a step, by requests
+    way_in_samples: list[dict] = field(default_factory=list)  # one request at a time, then a burst at once
     date: str = ""
     commit: str | None = None
     pagedserve_version: str = ""
+    notes: list[str] = field(default_factory=list)  # what was fitted after the measurement, and how
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -238,15 +253,19 @@ class Calibration:
                 f"{f' at {self.commit}' if self.commit else ''}: a step's device time is {1e3 * c.fixed:.3f} ms + "
                 f"{1e6 * c.per_token:.2f} us x max({c.breakpoint:.0f}, tokens) + {1e9 * c.per_context:.2f} ns a "
                 f"context token decoded + {1e12 * c.per_prefill_work:.3f} ps a prompt token x position + "
-                f"{1e9 * c.per_prefill_key:.1f} ns a position a prompt chunk attends; an eager "
+                f"{1e9 * c.per_prefill_key:.1f} ns a position a prompt chunk attends + {1e3 * c.both_paths:.3f} ms "
+                f"a step with decodes and prompt chunks (both attention paths); an eager "
                 f"step takes at least {1e3 * c.eager_floor:.2f} ms, a mixed one {1e3 * c.mixed_floor:.2f} ms; one "
                 f"sequence's decode {1e3 * c.single:.3f} ms + its context (fit error {100 * self.mape:.1f} %)"
                 + (f"; the server's host work a step {1e3 * c.host_fixed:.3f} ms + {1e3 * c.host_per_seq:.4f} ms a "
-                   f"request in it, a request's way in {1e3 * c.request_latency:.2f} ms" if self.host_samples
+                   f"request in it, a request's way in {1e3 * c.request_latency:.2f} ms"
+                   + (f", requests sent at once {1e3 * c.ingress_spacing:.2f} ms apart" if c.ingress_spacing else "")
+                   if self.host_samples
                    else "; the server's host work not measured")
                 + (f"; a graph step's inputs and launch {1e3 * c.launch_fixed:.3f} ms + "
                    f"{1e3 * c.launch_per_seq:.4f} ms a request + {1e6 * c.launch_per_token:.3f} us a token, hidden "
-                   f"behind the step before" if c.launch_fixed or c.launch_per_seq or c.launch_per_token else ""))
+                   f"behind the step before" if c.launch_fixed or c.launch_per_seq or c.launch_per_token else "")
+                + "".join(f" ({note})" for note in self.notes))
 
 
 def shipped() -> dict[str, Path]:

@@ -5,7 +5,9 @@ same metrics (``bench.metrics``), so a simulated rung reads like a measured one.
 The clock follows the engine's pipeline: a step launches at the host's time and starts when the device is
 free (the step before ends); ``core.step`` returns the tokens of the step launched before, at its end.
 A step lasts the longer of the device's time and the server's host work, which the engine's one step in
-flight overlaps; a request reaches the engine the calibration's request latency after the client sends it.
+flight overlaps; a request reaches the engine the calibration's request latency after the client sends it,
+and not sooner than its ingress spacing after the request before (a closed loop's requests that end in one
+step are sent at once, and reach the engine one by one: the first may start alone).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
     entering: deque[tuple[float, int]] = deque()  # sent, on their way to the engine: (when it takes them in, i)
     in_flight: dict[str, int] = {}
     now, next_arrival, done = 0.0, 0, 0
+    entered = -math.inf  # when the request sent last reaches the engine
     step_end: float | None = None     # when the step in flight ends
     while done < n:
         while next_arrival < n and arrivals[next_arrival] <= now:
@@ -51,7 +54,8 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
             i = waiting.popleft()
             results[i].start_time = now
             in_flight[str(i)] = i
-            entering.append((now + cost.request_latency, i))
+            entered = max(now + cost.request_latency, entered + cost.ingress_spacing)
+            entering.append((entered, i))
         while entering and entering[0][0] <= now:
             t, i = entering.popleft()
             s = samples[i]
