@@ -12,7 +12,7 @@ import pytest
 from pagedserve.bench.datasets import (NO_TOKENIZER_VOCAB, custom_dataset, describe_recorded_lengths,
                                        lengths_dataset, random_dataset, read_recorded_lengths, replayed_lengths,
                                        sharegpt_dataset)
-from pagedserve.bench.metrics import RequestResult, calculate_metrics, parse_goodput, scrape_values
+from pagedserve.bench.metrics import RequestResult, calculate_metrics, parse_goodput, scrape
 from pagedserve.bench.serve import SCRAPED, arrival_delays
 from pagedserve.cli import main
 from pagedserve.errors import ConfigError
@@ -186,7 +186,13 @@ def test_a_server_records_its_traffic_and_bench_replays_its_shape(tmp_path, caps
 def test_parse_metrics_reads_vllm_names():
     text = ('# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{model_name="m"} 3\n'
             '# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
-    assert scrape_values(text, SCRAPED) == {"preemptions": 3.0, "kv_cache_usage": 0.5}
+    assert scrape(text, SCRAPED)[0] == {"preemptions": 3.0, "kv_cache_usage": 0.5}
+    # one pass also gives a histogram's buckets, summed over label sets
+    text += ('pagedserve:step_interval_seconds_bucket{engine="0",le="0.004"} 2\n'
+             'pagedserve:step_interval_seconds_bucket{engine="1",le="0.004"} 3\n'
+             'pagedserve:step_interval_seconds_bucket{engine="0",le="+Inf"} 7\n')
+    values, buckets = scrape(text, SCRAPED, "pagedserve:step_interval_seconds")
+    assert values == {"preemptions": 3.0, "kv_cache_usage": 0.5} and buckets == {0.004: 5.0, float("inf"): 7.0}
 
 
 def test_bench_serve_end_to_end_respects_max_concurrency(tmp_path):

@@ -143,19 +143,19 @@ def test_settings_and_plan_errors_name_the_flag():
 
 def test_the_share_of_a_run_the_engine_waited_on_the_gpu_comes_from_its_counter():
     from pagedserve.bench.serve import MetricsScraper, SCRAPED
-    from pagedserve.bench.metrics import scrape_values
+    from pagedserve.bench.metrics import scrape
 
     scraper = MetricsScraper("http://unused", 1.0, {})
     for t, waited in ((10.0, 2.0), (12.0, 2.5), (14.0, 3.0)):
         text = f'pagedserve:device_wait_seconds_total{{engine="0",model_name="m"}} {waited}\n'
-        scraper.samples.append({"t": t, **scrape_values(text, SCRAPED)})
+        scraper.samples.append({"t": t, **scrape(text, SCRAPED)[0]})
     assert scraper.summary()["server_device_wait_share"] == pytest.approx(0.25)  # 1 s of 4
     scraper.samples = [{"t": 1.0}, {"t": 2.0}]  # a CPU server, or vLLM: no counter, no figure
     assert scraper.summary()["server_device_wait_share"] is None
 
 
 def test_the_engine_step_intervals_of_a_run_come_from_its_histogram():
-    from pagedserve.bench.metrics import histogram_quantile, scrape_histogram
+    from pagedserve.bench.metrics import histogram_quantile, scrape
     from pagedserve.bench.serve import MetricsScraper
 
     def text(counts: list[int]) -> str:  # cumulative counts at 4, 8, 16 ms and past them
@@ -163,8 +163,8 @@ def test_the_engine_step_intervals_of_a_run_come_from_its_histogram():
         return "".join(f'pagedserve:step_interval_seconds_bucket{{engine="0",le="{b}",model_name="m"}} {n}\n'
                        for b, n in zip(bounds, counts))
 
-    before, after = scrape_histogram(text([5, 5, 5, 5]), "pagedserve:step_interval_seconds"), \
-        scrape_histogram(text([5, 85, 105, 105]), "pagedserve:step_interval_seconds")
+    name = "pagedserve:step_interval_seconds"
+    before, after = scrape(text([5, 5, 5, 5]), {}, name)[1], scrape(text([5, 85, 105, 105]), {}, name)[1]
     # the run's 100 intervals: 80 in (4, 8] ms, 20 in (8, 16] ms
     assert histogram_quantile(before, after, 0.5) == pytest.approx(0.004 + 0.004 * 50 / 80)
     assert histogram_quantile(before, after, 0.99) == pytest.approx(0.008 + 0.008 * 19 / 20)

@@ -25,7 +25,7 @@ import aiohttp
 import numpy as np
 
 from pagedserve.bench.launch import LocalServer, serve_flags
-from pagedserve.bench.metrics import scrape_values
+from pagedserve.bench.metrics import scrape
 
 GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
           "pagedserve:num_requests_in_flight": "in_flight", "vllm:kv_cache_usage_perc": "kv_usage",
@@ -34,7 +34,7 @@ GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "
 
 async def gauges(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(url + "/metrics") as r:
-        return scrape_values(await r.text(), GAUGES)
+        return scrape(await r.text(), GAUGES)[0]
 
 
 async def one(session: aiohttp.ClientSession, url: str, i: int, rng: random.Random) -> tuple[str, float]:

@@ -30,32 +30,26 @@ METRIC_KEYS = ("ttft", "tpot", "itl", "e2el")
 KV_FULL = 0.90  # KV-cache usage at which preemption is one burst away (gateways use 0.8-0.9)
 
 
-def scrape_values(text: str, names: dict[str, str]) -> dict[str, float]:
-    """Prometheus text -> {our key: value summed over label sets} for the sample names in ``names``
-    (several names may map to one key: vLLM renamed some metrics across versions)."""
+def scrape(text: str, names: dict[str, str],
+           histogram: str | None = None) -> tuple[dict[str, float], dict[float, float]]:
+    """Prometheus text, parsed once -> ({our key: value summed over label sets} for the sample names in
+    ``names``, ``histogram``'s cumulative bucket counts {upper bound: count} summed over label sets). Several
+    names may map to one key (vLLM renamed some metrics across versions); the buckets are empty when the
+    server has no such histogram."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, float] = {}
+    buckets: dict[float, float] = {}
+    bucket_name = None if histogram is None else histogram + "_bucket"
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             key = names.get(s.name)
             if key is not None:
                 values[key] = values.get(key, 0.0) + s.value
-    return values
-
-
-def scrape_histogram(text: str, name: str) -> dict[float, float]:
-    """Prometheus text -> a histogram's cumulative bucket counts {upper bound: count}, summed over label
-    sets; empty when the server has no such histogram."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    buckets: dict[float, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name + "_bucket":
+            elif s.name == bucket_name:
                 le = float(s.labels["le"])
                 buckets[le] = buckets.get(le, 0.0) + s.value
-    return buckets
+    return values, buckets
 
 
 def histogram_quantile(first: dict[float, float], last: dict[float, float], q: float) -> float | None:

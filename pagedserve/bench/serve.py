@@ -19,8 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagedserve.bench.datasets import SampleRequest
-from pagedserve.bench.metrics import (RequestResult, calculate_metrics, histogram_quantile, scrape_histogram,
-                                     scrape_values)
+from pagedserve.bench.metrics import RequestResult, calculate_metrics, histogram_quantile, scrape
 from pagedserve.errors import BenchmarkError
 
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
@@ -232,8 +231,8 @@ class MetricsScraper:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
                 text = await resp.text()
-                self.samples.append({"t": time.perf_counter(), **scrape_values(text, SCRAPED),
-                                     "step_intervals": scrape_histogram(text, STEP_INTERVALS)})
+                values, intervals = scrape(text, SCRAPED, STEP_INTERVALS)
+                self.samples.append({"t": time.perf_counter(), **values, "step_intervals": intervals})
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             self.failures += 1
             self.last_error = f"{type(e).__name__}: {e}"

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.bench.knee import HOST_BOUND
-from pagedserve.bench.metrics import KV_FULL, scrape_values
+from pagedserve.bench.metrics import KV_FULL, scrape
 
 RISING = 1.5            # second-half mean latency over first-half mean that counts as "rising"
 
@@ -41,7 +41,7 @@ _NAMES = {
 
 def parse_sample(text: str, t: float) -> dict[str, float]:
     """The metrics diagnose reads from one scrape, summed over label sets, with its time."""
-    return {"t": t, **scrape_values(text, _NAMES)}
+    return {"t": t, **scrape(text, _NAMES)[0]}
 
 
 @dataclass
