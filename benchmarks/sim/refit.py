@@ -1,8 +1,8 @@
 """Refit calibration files on their own measurements (by default the ones pagedserve ships), as after a
 change to the cost model: the device's terms on the timed steps, the host's on the server runs, the way
-in as measured. A file timed before calibrate sent a burst of requests gets its ingress spacing from
-bursts sent here, on this machine's CPU (the median of three), and a note that says so: the simulated
-ladders hardly move with the spacing's size, only with requests sent at once not arriving as one.
+in as measured. A file timed before calibrate measured the way in beyond one request's latency gets its
+ingress spacing and delivery jitter from runs here, on this machine's CPU (the median of three), and a
+note that says so.
 
 Usage: python -m benchmarks.sim.refit [FILE ...]
 """
@@ -19,27 +19,28 @@ from pathlib import Path
 
 from pagedserve.config import EngineArgs
 from pagedserve.memory import GiB
-from pagedserve.sim.calibrate import burst_spacing
+from pagedserve.sim.calibrate import way_in
 from pagedserve.sim.cost import Calibration, CostModel, shipped
 from pagedserve.tune.plan import make_plan
 
-SPACING_NOTE = "ingress spacing timed on another host"
+TIMED_HERE = "ingress spacing and delivery jitter timed on another host"
+_WAY_IN = ("ingress_spacing", "delivery_jitter", "delivery_jitter_per_seq")
 
 
 def refit(cal: Calibration) -> Calibration:
     cost, err = CostModel.fit(cal.samples)
     cost = cost.with_launch(cal.samples).with_host(cal.host_samples).with_request_latency(cal.cost.request_latency)
-    cost = cost.with_ingress_spacing(cal.cost.ingress_spacing)
+    cost = dataclasses.replace(cost, **{k: getattr(cal.cost, k) for k in _WAY_IN})
     notes = list(cal.notes)
-    if not cal.way_in_samples and not any(n.startswith(SPACING_NOTE) for n in notes):
+    if not cal.way_in_samples and not any(n.startswith(TIMED_HERE) for n in notes):
         args = EngineArgs(**cal.engine_args)
         serving = args.create_config(plan_for="cuda", serving=True)
         budget = make_plan(args, gpu_memory_gib=cal.gpu_memory_bytes / GiB).budget
-        spacing = statistics.median(burst_spacing(serving, budget, cost, log=lambda _: None)[0] for _ in range(3))
-        cost = cost.with_ingress_spacing(spacing)
+        timed = [way_in(serving, budget, cost, log=lambda _: None, keep_latency=True)[0] for _ in range(3)]
+        cost = dataclasses.replace(cost, **{k: statistics.median(getattr(t, k) for t in timed) for k in _WAY_IN})
         host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-        notes.append(f"{SPACING_NOTE}: the median of three bursts sent to a server on a CPU machine ({host}), "
-                     f"not on the GPU's host")
+        notes.append(f"{TIMED_HERE}: the median of three runs through a server on a CPU machine ({host}), not "
+                     f"on the GPU's host")
     return dataclasses.replace(cal, cost=cost, mape=err, notes=notes)
 
 

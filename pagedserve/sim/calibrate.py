@@ -9,9 +9,10 @@ before the launch returns, and back to back with one in flight (the period the e
 Then the server's own work a step: a real server (uvicorn on loopback, the engine's scheduler, output
 processing and streaming) over a worker whose steps take no time, driven by ``bench serve`` in its own
 process at a few concurrencies; each step then lasts what the host spends on it. And a request's way in:
-the TTFT of one request at a time over steps of 2 ms, less what the simulator gives for that run; then
-how far apart requests sent at once reach the engine: the spacing at which the simulator gives a burst of
-them the median TTFT the server gave.
+the TTFT of one request at a time over steps of 2 ms, less what the simulator gives for that run; how
+far apart requests sent at once reach the engine: the spacing at which the simulator gives a burst of
+them the median TTFT the server gave; and, from the same two runs, how the tokens' arrival at the client
+scatters around the steps' ends.
 """
 
 from __future__ import annotations
@@ -156,8 +157,9 @@ def paced_server(config, budget, cost: CostModel, *flags: str) -> Iterator[tuple
 def bench_server(config, budget, cost: CostModel, levels, log=print, burst: bool = False) -> list[dict]:
     """The server of ``config`` (a serving one) over a paced worker priced by ``cost``, driven by ``bench
     serve`` (its own process) at each level of requests in flight: the runs' shapes, their mean time a step
-    and requests a step, and their median TTFT. ``burst``: a level's requests are sent at once, one
-    round of them (else two rounds through the closed loop)."""
+    and requests a step, their median TTFT and the p95 less the p5 of their inter-token latencies.
+    ``burst``: a level's requests are sent at once, one round of them (else two rounds through the closed
+    loop)."""
     from pagedserve.bench.launch import bench_serve
 
     # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
@@ -172,9 +174,11 @@ def bench_server(config, budget, cost: CostModel, levels, log=print, burst: bool
                 "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(prompts),
                 "--max-concurrency", str(c), "--num-warmups", "0"], Path(tmp) / "host.json")
             steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
+            itl = np.concatenate([np.asarray(x, dtype=float) for x in run["itls"]])
             runs.append({"seqs": tokens / steps, "seconds": run["duration"] / steps, "in_flight": c,
                          "input_len": in_len, "output_len": out_len, "prompts": prompts,
                          "median_ttft": run["median_ttft_ms"] / 1e3,
+                         "itl_spread": float(np.percentile(itl, 95) - np.percentile(itl, 5)) if len(itl) else 0.0,
                          "cpu_per_token": (time.process_time() - cpu) / tokens})  # the server's threads
             log(f"server over a worker of {1e3 * cost.fixed:g} ms steps, {c} in flight: {tokens / steps:.1f} requests "
                 f"a step, {1e3 * run['duration'] / steps:.3f} ms a step, median TTFT {run['median_ttft_ms']:.1f} ms")
@@ -213,13 +217,22 @@ def ingress_spacing(config, budget, cost: CostModel, run: dict) -> float:
     return hi
 
 
-def burst_spacing(serving, budget, cost: CostModel, log=print) -> tuple[float, dict]:
-    """(the ingress spacing, the run it was fitted to): a burst of requests sent at once to the server of
-    ``serving`` over steps of 2 ms, with ``cost``'s host terms and request latency."""
-    paced = dataclasses.replace(_PACED, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq,
-                                request_latency=cost.request_latency)
-    run = bench_server(serving, budget, paced, (min(_BURST, serving.max_num_seqs),), log, burst=True)[0]
-    return ingress_spacing(serving, budget, paced, run), run
+def way_in(serving, budget, cost: CostModel, log=print,
+           keep_latency: bool = False) -> tuple[CostModel, list[dict]]:
+    """``cost`` (with its host terms) with the way in measured through the server of ``serving`` over
+    steps of 2 ms (the server's threads then share the GIL as they do over a GPU): one request at a time
+    (its request latency, unless ``keep_latency``), then a burst sent at once (the ingress spacing); the
+    delivery jitter from both. Returns it and the two runs."""
+    paced = dataclasses.replace(_PACED, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq)
+    one = bench_server(serving, budget, paced, (1,), log)[0]
+    burst = bench_server(serving, budget, paced, (min(_BURST, serving.max_num_seqs),), log, burst=True)[0]
+    cost = cost.with_delivery([one, burst])
+    paced = dataclasses.replace(paced, delivery_jitter=cost.delivery_jitter,
+                                delivery_jitter_per_seq=cost.delivery_jitter_per_seq)
+    if not keep_latency:
+        cost = cost.with_request_latency(request_latency(serving, budget, paced, one))
+    paced = dataclasses.replace(paced, request_latency=cost.request_latency)
+    return cost.with_ingress_spacing(ingress_spacing(serving, budget, paced, burst)), [one, burst]
 
 
 def calibrate(args, log=print) -> Calibration:
@@ -253,17 +266,11 @@ def calibrate(args, log=print) -> Calibration:
     serving = args.create_config(serving=True)
     host = bench_server(serving, budget, FREE_STEPS, _HOST_LEVELS, log)
     cost = cost.with_host(host)
-    # the way in: one request at a time over steps of a device's length (the server's threads then
-    # share the GIL as they do over a GPU), then a burst of requests sent at once
-    paced = dataclasses.replace(_PACED, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq)
-    way_in = bench_server(serving, budget, paced, (1,), log)[0]
-    cost = cost.with_request_latency(request_latency(serving, budget, paced, way_in))
-    spacing, burst = burst_spacing(serving, budget, cost, log)
-    cost = cost.with_ingress_spacing(spacing)
+    cost, way_in_runs = way_in(serving, budget, cost, log)
     return Calibration(model=args.model, dtype=dtype_name(config.dtype),
                        kv_cache_dtype=dtype_name(config.kv_dtype), gpu=gpu, gpu_memory_bytes=total,
                        engine_args={k: v for k, v in vars(args).items() if v is not None},
-                       cost=cost, mape=err, samples=samples, host_samples=host, way_in_samples=[way_in, burst],
+                       cost=cost, mape=err, samples=samples, host_samples=host, way_in_samples=way_in_runs,
                        date=datetime.date.today().isoformat(), commit=git_commit(),
                        pagedserve_version=pagedserve.__version__)
 

@@ -21,7 +21,10 @@ one-row GEMV path, its own weights' read. R: requests in the step; g and h: the 
 output processing and streaming, which run while the device computes and bound the step when they take
 longer (small models). Apart from steps, a request reaches the engine a fixed time after it is sent (the
 HTTP request, tokenizing, admission), and requests sent at once reach it one after another, a fixed
-spacing apart: the client and the server's way in handle one request at a time. Fitted by least squares
+spacing apart: the client and the server's way in handle one request at a time. A token reaches the
+client a random delay after its step ends (exponential, its mean growing with the requests in the step:
+the server writes the streams one by one between other work), which spreads the inter-token latencies
+the client sees without slowing the engine. Fitted by least squares
 on relative error over a scan of T*, H and M (the host's terms on their own measurements); each
 coefficient keeps a physical meaning, so a calibration can be read and checked.
 """
@@ -89,6 +92,8 @@ class CostModel:
     host_per_seq: float = 0.0     # ... and a request in the step: a step takes at least this host time
     request_latency: float = 0.0  # from a client sending a request to the engine taking it in (HTTP, tokenizing)
     ingress_spacing: float = 0.0  # between two requests sent at once reaching the engine
+    delivery_jitter: float = 0.0          # mean delay from a step's end to its token at the client ...
+    delivery_jitter_per_seq: float = 0.0  # ... and its growth a request in the step
     # the host's part of a graph step (its inputs, the launch), done while the step before runs: the
     # device's terms above are then what remains of the step
     launch_fixed: float = 0.0
@@ -193,6 +198,20 @@ class CostModel:
     def with_ingress_spacing(self, seconds: float) -> "CostModel":
         return dataclasses.replace(self, ingress_spacing=max(0.0, float(seconds)))
 
+    def delivery_seconds(self, seqs: int) -> float:
+        """The mean delay of a step's tokens on their way to the client."""
+        return self.delivery_jitter + self.delivery_jitter_per_seq * seqs
+
+    def with_delivery(self, runs: list[dict]) -> "CostModel":
+        """This model with the delivery terms fitted (least squares, non-negative) to runs over equal steps
+        ({"seqs", "itl_spread"}: requests a step, and the p95 less the p5 of the client's inter-token
+        latencies). With exponential delays of mean m the latencies are the step plus the difference of two
+        delays, whose p95 less p5 is 2 ln(10) m."""
+        a = np.array([[1.0, r["seqs"]] for r in runs])
+        mean = np.array([r["itl_spread"] for r in runs]) / (2 * np.log(10))
+        fixed, per_seq = _nonnegative_lstsq(a, mean)
+        return dataclasses.replace(self, delivery_jitter=float(fixed), delivery_jitter_per_seq=float(per_seq))
+
 
 def _device_part(sample: dict) -> float:
     """What a measured step holds the device for. A step launched kernel by kernel: its time to its tokens.
@@ -260,6 +279,9 @@ class Calibration:
                 + (f"; the server's host work a step {1e3 * c.host_fixed:.3f} ms + {1e3 * c.host_per_seq:.4f} ms a "
                    f"request in it, a request's way in {1e3 * c.request_latency:.2f} ms"
                    + (f", requests sent at once {1e3 * c.ingress_spacing:.2f} ms apart" if c.ingress_spacing else "")
+                   + (f", a token reaches the client {1e3 * c.delivery_jitter:.3f} ms + "
+                      f"{1e6 * c.delivery_jitter_per_seq:.2f} us a request in its step after the step ends (mean)"
+                      if c.delivery_jitter or c.delivery_jitter_per_seq else "")
                    if self.host_samples
                    else "; the server's host work not measured")
                 + (f"; a graph step's inputs and launch {1e3 * c.launch_fixed:.3f} ms + "

@@ -7,13 +7,17 @@ free (the step before ends); ``core.step`` returns the tokens of the step launch
 A step lasts the longer of the device's time and the server's host work, which the engine's one step in
 flight overlaps; a request reaches the engine the calibration's request latency after the client sends it,
 and not sooner than its ingress spacing after the request before (a closed loop's requests that end in one
-step are sent at once, and reach the engine one by one: the first may start alone).
+step are sent at once, and reach the engine one by one: the first may start alone). Each token reaches the
+client a delay after its step ends, drawn (seeded) from the calibration's delivery jitter; the engine's
+clock does not wait for it.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+
+import numpy as np
 
 from pagedserve.bench.datasets import SampleRequest
 from pagedserve.bench.metrics import METRIC_KEYS, RequestResult, calculate_metrics
@@ -45,6 +49,7 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
     in_flight: dict[str, int] = {}
     now, next_arrival, done = 0.0, 0, 0
     entered = -math.inf  # when the request sent last reaches the engine
+    delays = np.random.default_rng(seed)
     step_end: float | None = None     # when the step in flight ends
     while done < n:
         while next_arrival < n and arrivals[next_arrival] <= now:
@@ -74,12 +79,14 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
         finished_at, step_end = now, None
         if worker.launched:
             step_end = max(launched_at, finished_at) + worker.launched.pop()
+        delivery = cost.delivery_seconds(len(outputs))
         for out in outputs:
             i = in_flight.get(out.request_id)
             if i is None:
                 continue
-            if out.token_id is not None:
-                stamps[i].append(finished_at)
+            if out.token_id is not None:  # a stream's tokens arrive in order
+                seen = finished_at + (delays.exponential(delivery) if delivery > 0 else 0.0)
+                stamps[i].append(max(seen, stamps[i][-1]) if stamps[i] else seen)
             if out.finish_reason is not None:
                 del in_flight[out.request_id]
                 done += 1
