@@ -4,23 +4,22 @@ in as measured. A file timed before calibrate measured the way in beyond one req
 ingress spacing and delivery jitter from runs here, on this machine's CPU (the median of three), and a
 note that says so.
 
-Usage: python -m benchmarks.sim.refit [FILE ...]
+Usage: python -m benchmarks.sim.refit [FILE_OR_SHIPPED_NAME ...]
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import statistics
 import sys
-from pathlib import Path
 
 from pagedserve.config import EngineArgs
 from pagedserve.memory import GiB
 from pagedserve.sim.calibrate import way_in
-from pagedserve.sim.cost import Calibration, CostModel, shipped
+from pagedserve.errors import ConfigError
+from pagedserve.sim.cost import Calibration, CostModel, load_calibration, shipped
 from pagedserve.tune.plan import make_plan
 
 TIMED_HERE = "ingress spacing and delivery jitter timed on another host"
@@ -44,12 +43,17 @@ def refit(cal: Calibration) -> Calibration:
     return dataclasses.replace(cal, cost=cost, mape=err, notes=notes)
 
 
-def main(paths: list[str]) -> None:
-    for path in paths or sorted(str(p) for p in shipped().values()):
-        cal = refit(Calibration.from_json(json.loads(Path(path).read_text())))
+def main(names: list[str]) -> None:
+    known = shipped()
+    for name in names or sorted(known):
+        cal = refit(load_calibration(name))
+        path = known.get(name, name)
         cal.save(path)
         print(f"{path}: {cal.describe()}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"refit: {e}")
