@@ -373,7 +373,8 @@ def test_a_recording_replayed_faster_on_the_simulator(tmp_path):
 def test_the_shipped_8b_calibration_replays_the_ladder_measured_on_the_h200(tmp_path):
     """The reference ladder as the H200 measured it (kept in benchmarks/sim/measured), simulated on the
     shipped calibration of the same day: knee and recommendation where the GPU put them, output throughput
-    within 5 %, p95 E2EL within 6 % and p95 ITL within 10 % at every rung (3 %, 4 % and 8 % at worst). A change to the engine's scheduling that moves this apart
+    within 5 %, p95 E2EL within 6 %, p95 ITL within 10 % and p95 TTFT within 15 % at every rung (3 %, 4 %,
+    8 % and 13 % at worst). A change to the engine's scheduling that moves this apart
     either models the GPU worse, or changed what the GPU would measure (then measure the ladder again)."""
     from pathlib import Path
 
@@ -389,5 +390,6 @@ def test_the_shipped_8b_calibration_replays_the_ladder_measured_on_the_h200(tmp_
         (lm["knee"]["knee_load"], lm["knee"]["recommended_load"]) == (32, 16)
     for rm, rs in zip(lm["rungs"], ls["rungs"], strict=True):
         assert rs["load"] == rm["load"]
-        for key, bound in (("output_throughput", 0.05), ("p95_e2el_ms", 0.06), ("p95_itl_ms", 0.1)):
+        for key, bound in (("output_throughput", 0.05), ("p95_e2el_ms", 0.06), ("p95_itl_ms", 0.1),
+                           ("p95_ttft_ms", 0.15)):
             assert rs[key] == pytest.approx(rm[key], rel=bound), (rm["load"], key)
