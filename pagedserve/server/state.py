@@ -144,6 +144,6 @@ class ServerState:
         return [self.engine.add(req, text) for req, text in made]
 
 
-def server_state(request: Request) -> ServerState:
+async def server_state(request: Request) -> ServerState:
     """FastAPI dependency: the state ``build_app`` attached to the app."""
     return request.app.state.server
