@@ -313,7 +313,8 @@ def test_a_preset_or_a_size_gives_the_simulated_gpu_its_memory():
 def test_another_gpu_scales_what_computes_by_compute_and_the_rest_by_bandwidth():
     cost = CostModel(breakpoint=100, per_token=2e-5, per_context=4e-8, per_prefill_work=1e-9, fixed=1e-3,
                      eager_floor=4e-3, mixed_floor=5e-3, single=3e-3, per_prefill_key=1e-6, host_fixed=2e-4,
-                     host_per_seq=1e-5, request_latency=1e-3, ingress_spacing=5e-4, both_paths=1e-3)
+                     host_per_seq=1e-5, request_latency=1e-3, ingress_spacing=5e-4, both_paths=1e-3,
+                     delivery_jitter=1e-4, delivery_jitter_per_seq=2e-6)
     slower = cost.on_faster_gpu(compute=0.5, bandwidth=0.25)
     # below the breakpoint a step reads the weights (2 ms here): 4x; above it, the tokens compute: 2x
     assert slower.breakpoint * slower.per_token == pytest.approx(4 * 100 * 2e-5)
@@ -325,7 +326,8 @@ def test_another_gpu_scales_what_computes_by_compute_and_the_rest_by_bandwidth()
     # a step with decodes and a prompt chunk also runs the second attention path's small kernels: 4x
     assert slower.device_seconds(1, 100, 1000, 50) - slower.device_seconds(1, 0, 0, 50) == \
         pytest.approx(4 * (100 * 4e-8 + 1e-3) + 2 * 1000 * 1e-9)
-    kept = ("eager_floor", "mixed_floor", "host_fixed", "host_per_seq", "request_latency", "ingress_spacing")
+    kept = ("eager_floor", "mixed_floor", "host_fixed", "host_per_seq", "request_latency", "ingress_spacing",
+            "delivery_jitter", "delivery_jitter_per_seq")
     assert all(getattr(slower, k) == getattr(cost, k) for k in kept)
 
 
