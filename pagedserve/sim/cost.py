@@ -24,9 +24,9 @@ HTTP request, tokenizing, admission), and requests sent at once reach it one aft
 spacing apart: the client and the server's way in handle one request at a time. A token reaches the
 client a random delay after its step ends (exponential, its mean growing with the requests in the step:
 the server writes the streams one by one between other work), which spreads the inter-token latencies
-the client sees without slowing the engine. Fitted by least squares
-on relative error over a scan of T*, H and M (the host's terms on their own measurements); each
-coefficient keeps a physical meaning, so a calibration can be read and checked.
+the client sees without slowing the engine. Fitted by least squares on relative error over a scan of T*,
+H and M (the host's terms on their own measurements); each coefficient keeps a physical meaning, so a
+calibration can be read and checked.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ class Calibration:
     date: str = ""
     commit: str | None = None
     pagedserve_version: str = ""
-    notes: list[str] = field(default_factory=list)  # what was fitted after the measurement, and how
+    notes: list[str] = field(default_factory=list)  # what was added after the GPU's run, and where it was timed
 
     def to_json(self) -> dict:
         return asdict(self)
