@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 import sys
+from pathlib import Path
 
 from pagedserve.config import EngineArgs
 from pagedserve.memory import GiB
@@ -46,6 +47,9 @@ def refit(cal: Calibration) -> Calibration:
 def main(names: list[str]) -> None:
     known = shipped()
     for name in names or sorted(known):
+        if name not in known and not Path(name).is_file():
+            raise ConfigError(f"{name!r} is neither a calibration file nor one of the shipped ones "
+                              f"({', '.join(sorted(known))}).")
         cal = refit(load_calibration(name))
         path = known.get(name, name)
         cal.save(path)

@@ -180,8 +180,9 @@ def bench_server(config, budget, cost: CostModel, levels, log=print, burst: bool
                          "median_ttft": run["median_ttft_ms"] / 1e3,
                          "itl_spread": float(np.percentile(itl, 95) - np.percentile(itl, 5)) if len(itl) else 0.0,
                          "cpu_per_token": (time.process_time() - cpu) / tokens})  # the server's threads
-            log(f"server over a worker of {1e3 * cost.fixed:g} ms steps, {c} in flight: {tokens / steps:.1f} requests "
-                f"a step, {1e3 * run['duration'] / steps:.3f} ms a step, median TTFT {run['median_ttft_ms']:.1f} ms")
+            log(f"server over a worker of {1e3 * cost.fixed:g} ms steps, {c} in flight"
+                f"{' sent at once' if burst else ''}: {tokens / steps:.1f} requests a step, "
+                f"{1e3 * run['duration'] / steps:.3f} ms a step, median TTFT {run['median_ttft_ms']:.1f} ms")
     return runs
 
 
