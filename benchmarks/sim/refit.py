@@ -16,26 +16,26 @@ import statistics
 import sys
 from pathlib import Path
 
+from pagedserve.args import engine_flags
 from pagedserve.config import EngineArgs
-from pagedserve.memory import GiB
-from pagedserve.sim.calibrate import way_in
 from pagedserve.errors import ConfigError
+from pagedserve.sim.calibrate import way_in
 from pagedserve.sim.cost import Calibration, CostModel, load_calibration, shipped
-from pagedserve.tune.plan import make_plan
+from pagedserve.sim.ladder import Simulation
 
 TIMED_HERE = "ingress spacing and delivery jitter timed on another host"
 _WAY_IN = ("ingress_spacing", "delivery_jitter", "delivery_jitter_per_seq")
 
 
-def refit(cal: Calibration) -> Calibration:
+def refit(cal: Calibration, source: str) -> Calibration:
     cost, err = CostModel.fit(cal.samples)
     cost = cost.with_launch(cal.samples).with_host(cal.host_samples).with_request_latency(cal.cost.request_latency)
     cost = dataclasses.replace(cost, **{k: getattr(cal.cost, k) for k in _WAY_IN})
     notes = list(cal.notes)
     if not cal.way_in_samples and not any(n.startswith(TIMED_HERE) for n in notes):
-        args = EngineArgs(**cal.engine_args)
-        serving = args.create_config(plan_for="cuda", serving=True)
-        budget = make_plan(args, gpu_memory_gib=cal.gpu_memory_bytes / GiB).budget
+        # the serving engine the calibration's flags give, as a simulated ladder builds it
+        flags = engine_flags(EngineArgs(**cal.engine_args))
+        serving, budget = Simulation(cal, cal.gpu_memory_bytes, source).engine(cal.model, flags)
         timed = [way_in(serving, budget, cost, log=lambda _: None, keep_latency=True)[0] for _ in range(3)]
         cost = dataclasses.replace(cost, **{k: statistics.median(getattr(t, k) for t in timed) for k in _WAY_IN})
         host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
@@ -50,7 +50,7 @@ def main(names: list[str]) -> None:
         if name not in known and not Path(name).is_file():
             raise ConfigError(f"{name!r} is neither a calibration file nor one of the shipped ones "
                               f"({', '.join(sorted(known))}).")
-        cal = refit(load_calibration(name))
+        cal = refit(load_calibration(name), name)
         path = known.get(name, name)
         cal.save(path)
         print(f"{path}: {cal.describe()}")
