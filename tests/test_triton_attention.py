@@ -262,11 +262,19 @@ def test_cuda_fp8_decode_serves_only_the_launches_it_covers():
 def test_prompt_graph_sizes_pad_a_long_step_by_at_most_a_quarter():
     from pagedserve.model.runner import prompt_graph_sizes
 
-    assert prompt_graph_sizes(8192, 512)[-1] == 512 and prompt_graph_sizes(40, 512) == [16, 32]
-    assert prompt_graph_sizes(8192, 0) == []
-    sizes = prompt_graph_sizes(8192, 4096)
+    assert prompt_graph_sizes(512)[-1] == 512 and prompt_graph_sizes(40) == [16, 32]
+    assert prompt_graph_sizes(0) == []
+    sizes = prompt_graph_sizes(4096)
     assert sizes[12:] == [512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096]
-    assert prompt_graph_sizes(3000, 8192)[-1] == 3000  # the step's token budget is the last size
+    assert prompt_graph_sizes(3000)[-1] == 3000
     for n in range(257, 4097):  # each step's graph: the smallest size that holds it
         size = min(t for t in sizes if t >= n)
         assert size - n <= n / 4, (n, size)
+
+
+def test_prompt_graphs_never_exceed_the_step_budget():
+    from pagedserve.config import EngineArgs
+    from pagedserve.model.runner import prompt_graph_sizes
+
+    cfg = EngineArgs(max_num_batched_tokens=3000, max_num_seqs=16, max_cudagraph_capture_size=8192).create_config()
+    assert cfg.max_cudagraph_capture_size == 3000 and prompt_graph_sizes(cfg.max_cudagraph_capture_size)[-1] == 3000

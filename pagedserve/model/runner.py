@@ -68,11 +68,10 @@ def decode_graph_sizes(max_num_seqs: int) -> list[int]:
 PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
-def prompt_graph_sizes(max_num_batched_tokens: int, capture_size: int) -> list[int]:
+def prompt_graph_sizes(top: int) -> list[int]:
     """Token counts of the prompt-carrying steps that get a CUDA graph (the planner counts them too): the
-    sizes above up to ``capture_size``, then a quarter of the power of two below each further size
-    (640, 768, 896, 1024, 1280, ...), never above the step's token budget."""
-    top = min(max_num_batched_tokens, capture_size)
+    sizes above up to ``top`` (the config's capture size, never above the step's token budget), then a
+    quarter of the power of two below each further size (640, 768, 896, 1024, 1280, ...), ending at ``top``."""
     sizes = [t for t in PROMPT_GRAPH_SIZES if t <= top]
     t = PROMPT_GRAPH_SIZES[-1]
     while t < top:
@@ -247,7 +246,7 @@ class ModelRunner:
         first, padding tokens after them (their K/V go to the trash slot), and one empty sequence row that
         the attention tiles a step does not use point at. ``graphs=False`` keeps the same padded steps
         but runs them kernel by kernel (how they are checked where CUDA graphs do not exist)."""
-        sizes = prompt_graph_sizes(self.config.max_num_batched_tokens, self.config.max_cudagraph_capture_size)
+        sizes = prompt_graph_sizes(self.config.max_cudagraph_capture_size)
         if not sizes:
             return
         t0 = time.perf_counter()

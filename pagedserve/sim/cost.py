@@ -59,7 +59,7 @@ def graph_caps(config) -> tuple[int, int]:
     ``config`` replays as a CUDA graph; (0, 0): every step is launched kernel by kernel."""
     if config.device.type != "cuda" or config.args.enforce_eager or config.args.attention_backend == "torch":
         return 0, 0
-    prompt = prompt_graph_sizes(config.max_num_batched_tokens, config.max_cudagraph_capture_size)
+    prompt = prompt_graph_sizes(config.max_cudagraph_capture_size)
     return decode_graph_sizes(config.max_num_seqs)[-1], prompt[-1] if prompt else 0
 
 

@@ -128,7 +128,7 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
         activation_peak=activation_peak_estimate(m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.dtype, tp),
         non_torch=non_torch, device_total=total, utilization=args.gpu_memory_utilization if on_gpu else None,
         kv_cache_memory=cfg.kv_cache_memory, num_blocks_override=args.num_gpu_blocks_override, tp=tp)
-    prompt_graphs = prompt_graph_sizes(cfg.max_num_batched_tokens, cfg.max_cudagraph_capture_size)
+    prompt_graphs = prompt_graph_sizes(cfg.max_cudagraph_capture_size)
     num_graphs = len(decode_graph_sizes(cfg.max_num_seqs)) + len(prompt_graphs)
     # graphs share one memory pool, which holds the largest prompt graph's activations
     pool = activation_peak_estimate(m, prompt_graphs[-1], 0, cfg.dtype, tp) if prompt_graphs else 0
