@@ -28,8 +28,8 @@ _WAY_IN = ("ingress_spacing", "delivery_jitter", "delivery_jitter_per_seq")
 
 
 def refit(cal: Calibration, source: str) -> Calibration:
-    cost, err = CostModel.fit(cal.samples)
-    cost = cost.with_launch(cal.samples).with_host(cal.host_samples).with_request_latency(cal.cost.request_latency)
+    cost, err = CostModel.fit_steps(cal.samples, cal.host_samples)
+    cost = cost.with_request_latency(cal.cost.request_latency)
     cost = dataclasses.replace(cost, **{k: getattr(cal.cost, k) for k in _WAY_IN})
     notes = list(cal.notes)
     if not cal.way_in_samples and not any(n.startswith(TIMED_HERE) for n in notes):

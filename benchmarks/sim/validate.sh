@@ -8,8 +8,9 @@
 #   0.6b     Qwen3-0.6B: the same
 #   preempt  Qwen3-0.6B with a 1 GiB KV cache (about seven requests' worth): a ladder that preempts,
 #            simulated on the 0.6b stage's calibration
-#   stored   no GPU: the three ladders as measured on the H200 (benchmarks/sim/measured/h200-538b850, kept in
-#            the repository) against the shipped calibrations, simulated here
+#   stored   no GPU: the three ladders as measured on the H200 and on an H100 (benchmarks/sim/measured/, kept
+#            in the repository) against the shipped calibrations of each GPU, simulated here
+#   transfer no GPU: the H100's ladders against the H200's calibrations carried over with `--gpu H100-80GB`
 # The calibrations (RESULT_DIR/cal) are made as calibrate_shipped.sh makes the 16-bit ones it ships.
 set -eu
 R=${1:-results/sim-validate}
@@ -21,9 +22,18 @@ ENGINE="--load-format dummy --max-model-len 16384 --max-num-seqs 256 --max-num-b
 DOC="--load-format dummy --gpu-memory-utilization 0.88 --max-model-len 8192 --max-num-seqs 16 --max-num-batched-tokens 4096 --enable-chunked-prefill"
 WORK="--random-input-len 1024 --random-output-len 256 --concurrency 1,2,4,8,16,32 --disable-tqdm"
 
-simulated() {  # NAME MODEL CALIBRATION SERVE_FLAGS MEASURED_DIR: simulate, compare with the measured ladder
-  python3 -m pagedserve.cli bench sweep --model "$2" --serve-args "$4" $WORK --simulate "$3" --result-dir "$R/$1-simulated"
+simulated() {  # NAME MODEL CALIBRATION SERVE_FLAGS MEASURED_DIR [SWEEP FLAGS]: simulate, compare with the measured
+  python3 -m pagedserve.cli bench sweep --model "$2" --serve-args "$4" $WORK --simulate "$3" ${6:-} \
+    --result-dir "$R/$1-simulated"
   python3 -m benchmarks.sim.accuracy "$5" "$R/$1-simulated"
+}
+
+stored() {  # MEASURED_GPU CALIBRATION_GPU [SWEEP FLAGS]: the three kept ladders of one GPU, simulated
+  M=$(ls -d benchmarks/sim/measured/$1-* | tail -1)
+  simulated "$1-qwen3-8b" Qwen/Qwen3-8B "$2-qwen3-8b-bf16" "$DOC" $M/qwen3-8b "${3:-}"
+  simulated "$1-qwen3-0.6b" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC" $M/qwen3-0.6b "${3:-}"
+  simulated "$1-qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC --kv-cache-memory 1GiB" \
+    $M/qwen3-0.6b-preempt "${3:-}"
 }
 
 ladders() {  # NAME MODEL CALIBRATION SERVE_FLAGS: measure, then as simulated()
@@ -41,13 +51,9 @@ for stage in $STAGES; do
       ladders "qwen3-$stage" "$model" "$cal" "$DOC" ;;
     preempt)
       ladders "qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$R/cal/$GPU-qwen3-0.6b-bf16.json" "$DOC --kv-cache-memory 1GiB" ;;
-    stored)
-      M=benchmarks/sim/measured/h200-538b850
-      simulated qwen3-8b Qwen/Qwen3-8B h200-qwen3-8b-bf16 "$DOC" $M/qwen3-8b
-      simulated qwen3-0.6b Qwen/Qwen3-0.6B h200-qwen3-0.6b-bf16 "$DOC" $M/qwen3-0.6b
-      simulated qwen3-0.6b-preempt Qwen/Qwen3-0.6B h200-qwen3-0.6b-bf16 "$DOC --kv-cache-memory 1GiB" \
-        $M/qwen3-0.6b-preempt ;;
-    *) echo "unknown stage $stage (8b, 0.6b, preempt, stored)"; exit 2 ;;
+    stored) stored h200 h200; stored h100 h100 ;;
+    transfer) stored h100 h200 "--gpu H100-80GB" ;;
+    *) echo "unknown stage $stage (8b, 0.6b, preempt, stored, transfer)"; exit 2 ;;
   esac
 done
 echo "== $(date +%T) done"

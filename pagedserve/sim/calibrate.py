@@ -3,8 +3,8 @@
 The steps are built directly as ``StepInputs`` (no scheduler), so the grid covers what a ladder will ask
 for in a minute or two: decode batches at several context lengths, prompt chunks at several offsets, and
 the two mixed. Each is run through the engine's own worker (CUDA graphs, attention kernels, sampler) and
-timed from launch to the sampled tokens on the host (the median of a few runs), for the host's part
-before the launch returns, and back to back with one in flight (the period the engine would see).
+timed from launch to the sampled tokens on the host (the median of a few runs), and for the host's part
+before the launch returns.
 
 Then the server's own work a step: a real server (uvicorn on loopback, the engine's scheduler, output
 processing and streaming) over a worker whose steps take no time, driven by ``bench serve`` in its own
@@ -95,11 +95,9 @@ def step_grid(config: EngineConfig, num_blocks: int) -> list[list[tuple[int, int
     return [s for s in shapes if fits(s)]
 
 
-def time_step(worker, inp: StepInputs) -> tuple[float, float, float]:
+def time_step(worker, inp: StepInputs) -> tuple[float, float]:
     """Median seconds from starting the step to its tokens on the host, and of the host's part before the
-    launch returns (on a GPU; on the CPU the step computes in that part, and nothing overlaps); then the
-    step's period launched back to back with one in flight, as the engine runs them: the device's time
-    where the device is slower than the launches, else the launches'."""
+    launch returns (on a GPU; on the CPU the step computes in that part, and nothing overlaps)."""
     cuda = worker.device.type == "cuda"
     times, launches = [], []
     for i in range(_WARMUPS + _REPEATS):
@@ -112,16 +110,7 @@ def time_step(worker, inp: StepInputs) -> tuple[float, float, float]:
         if i >= _WARMUPS:
             times.append(time.perf_counter() - t0)
             launches.append(t1 - t0 if cuda else 0.0)
-    if cuda:
-        torch.cuda.synchronize()
-    in_flight = worker.execute(inp, SamplingInputs.greedy_only())
-    t0 = time.perf_counter()  # from the first launch's return: its own launch is not a period's
-    for _ in range(_REPEATS):
-        pending = worker.execute(inp, SamplingInputs.greedy_only())
-        in_flight.wait()
-        in_flight = pending
-    in_flight.wait()
-    return statistics.median(times), statistics.median(launches), (time.perf_counter() - t0) / _REPEATS
+    return statistics.median(times), statistics.median(launches)
 
 
 def git_commit() -> str | None:
@@ -249,13 +238,11 @@ def calibrate(args, log=print) -> Calibration:
         for k, shape in enumerate(shapes):
             inp = synthetic_step(shape, config.block_size, worker.budget.num_blocks, config.model.vocab_size, rng)
             t, ctx, work, keys = step_features(inp)
-            seconds, launch, period = time_step(worker, inp)
+            seconds, launch = time_step(worker, inp)
             samples.append({"tokens": t, "decode_context": ctx, "prefill_work": work, "prefill_keys": keys,
                             "seqs": len(shape), "kind": step_kind(inp, caps), "seconds": seconds,
-                            "launch": launch, "period": period})
+                            "launch": launch})
             log(f"[{k + 1}/{len(shapes)}] {len(shape)} seqs, {t} tokens, {ctx} decode context: {1e3 * seconds:.3f} ms")
-        cost, err = CostModel.fit(samples)
-        cost = cost.with_launch(samples)
         if config.device.type == "cuda":
             gpu = torch.cuda.get_device_name(config.device)
             total = torch.cuda.get_device_properties(config.device).total_memory
@@ -266,7 +253,7 @@ def calibrate(args, log=print) -> Calibration:
     # the host: steps that cost nothing, so each lasts what the server's own work takes
     serving = args.create_config(serving=True)
     host = bench_server(serving, budget, FREE_STEPS, _HOST_LEVELS, log)
-    cost = cost.with_host(host)
+    cost, err = CostModel.fit_steps(samples, host)
     cost, way_in_runs = way_in(serving, budget, cost, log)
     return Calibration(model=args.model, dtype=dtype_name(config.dtype),
                        kv_cache_dtype=dtype_name(config.kv_dtype), gpu=gpu, gpu_memory_bytes=total,
