@@ -50,15 +50,9 @@ class Recording:
     def __init__(self):
         self.tokens: list[int] = []
 
-    def seconds(self, tokens, decode_context, prefill_work, prefill_keys, kind):
-        self.tokens.append(tokens)
-        return 1e-3 + 1e-6 * tokens
-
-    def host_seconds(self, seqs):
-        return 0.0
-
-    def launch_seconds(self, kind, seqs, tokens):
-        return 0.0
+    def step_seconds(self, features, kind, seqs):
+        self.tokens.append(features[0])
+        return 1e-3 + 1e-6 * features[0], 0.0
 
     def delivery_seconds(self, seqs):
         return 0.0
@@ -112,22 +106,19 @@ def test_the_fit_recovers_a_known_model_and_reads_back():
     for s in samples:  # the device's part, without the host's before the launch
         assert cost.seconds(s["tokens"], s["decode_context"], s["prefill_work"], s["prefill_keys"], s["kind"]) == \
             pytest.approx(s["seconds"] - s["launch"], rel=0.03)
-    # the launch kept in the step's time: the device's terms then price the whole time to the tokens (the
-    # launch's part a request has no term of its own there, hence the looser bound)
-    inside, err = CostModel.fit(samples, launch_hidden=False)
-    assert err < 0.02
-    for s in samples:
-        assert inside.seconds(s["tokens"], s["decode_context"], s["prefill_work"], s["prefill_keys"], s["kind"]) == \
-            pytest.approx(s["seconds"], rel=0.06)
-    # which of the two a calibration takes: the launch hides where the host's work a step (the server's at one
-    # request and the launch, 0.3 + 0.002 + 0.202 ms here) is at most a third of one decode's 4.2 ms + context
-    light = [{"seqs": 1, "seconds": 2e-4}, {"seqs": 8, "seconds": 3.6e-4}]  # 0.18 ms + 0.02 ms a request
+    # the launch hides behind the step before where the host's work a step (the server's at one request and
+    # the launch, 0.2 + 0.302 ms here) is at most a third of one decode's 4.2 ms + context; else it runs in
+    # series with the step, and the server's work alone is the host's part
+    light = [{"seqs": 1, "seconds": 2e-4}, {"seqs": 8, "seconds": 3.4e-4}]  # 0.18 ms + 0.02 ms a request
     hidden, _ = CostModel.fit_steps(samples, light)
-    assert hidden.launch_fixed == pytest.approx(3e-4) and hidden.single == pytest.approx(4.2e-3, rel=0.03)
+    assert hidden.launch_hidden and hidden.launch_fixed == pytest.approx(3e-4)
+    assert hidden.step_seconds((1, 128, 0, 0), "single", 1) == pytest.approx(
+        (4.2e-3 + 128 * 3e-8, 2e-4 + 3.02e-4), rel=0.03)
     heavy = [{"seqs": 1, "seconds": 1.2e-3}, {"seqs": 8, "seconds": 1.34e-3}]  # 1.18 ms + 0.02 ms a request
-    kept, _ = CostModel.fit_steps(samples, heavy)
-    assert kept.launch_fixed == 0 and kept.single == pytest.approx(4.2e-3 + 3.02e-4, rel=0.03)
-    assert kept.host_seconds(1) == pytest.approx(1.2e-3)
+    series, _ = CostModel.fit_steps(samples, heavy)
+    assert not series.launch_hidden and series.launch_fixed == pytest.approx(3e-4)
+    assert series.step_seconds((1, 128, 0, 0), "single", 1) == pytest.approx(
+        (4.2e-3 + 128 * 3e-8 + 3.02e-4, 1.2e-3), rel=0.03)
     with pytest.raises(ConfigError, match="at least five"):
         CostModel.fit(samples[:3])
 
@@ -143,13 +134,10 @@ def test_shipped_calibrations_load_and_describe_themselves():
     # latency, the spacing of requests sent at once, the tokens' delivery jitter) is measured, not fitted
     assert cal.cost.host_fixed > 0 and cal.cost.host_per_seq > 0 and cal.cost.request_latency > 0
     # the 8B one times a graph step's host part apart (its launch terms) and hides it behind the step before;
-    # the H100's 0.6B one timed it too, but its host bounds its steps, so the launch stays in the step's time
-    assert cal.cost.launch_fixed > 0 and "hidden behind the step before" in cal.describe()
+    # the H100's 0.6B one timed it too, but its host bounds its steps, so the launch runs in series with them
+    assert cal.cost.launch_fixed > 0 and cal.cost.launch_hidden and "hidden behind the step before" in cal.describe()
     small = load_calibration("h100-qwen3-0.6b-bf16")
-    assert small.cost.launch_fixed == 0 and "launch kept in its time" in small.describe()
-    again = CostModel.fit_steps(small.samples, small.host_samples)[0]
-    assert (again.single, again.fixed, again.host_fixed) == pytest.approx(
-        (small.cost.single, small.cost.fixed, small.cost.host_fixed), rel=1e-9)
+    assert small.cost.launch_fixed > 0 and not small.cost.launch_hidden and "in series" in small.describe()
     refit = CostModel.fit_steps(cal.samples, cal.host_samples)[0] \
         .with_request_latency(cal.cost.request_latency).with_ingress_spacing(cal.cost.ingress_spacing)
     refit = dataclasses.replace(refit, delivery_jitter=cal.cost.delivery_jitter,
@@ -260,6 +248,15 @@ def test_a_step_lasts_the_longer_of_the_device_and_the_host():
     launching = dataclasses.replace(slow_host, launch_fixed=1e-3)
     four = simulate_load(config, budget, launching, [SampleRequest(list(range(16)), 16, 5)] * 4)
     assert four["mean_itl_ms"] == pytest.approx(15.0)
+    # ... unless it runs in series with the step (a host-bound model): then one request's steps take 11 ms
+    series = dataclasses.replace(launching, launch_hidden=False)
+    one = simulate_load(config, budget, series, [SampleRequest(list(range(16)), 16, 5)])
+    four = simulate_load(config, budget, series, [SampleRequest(list(range(16)), 16, 5)] * 4)
+    assert one["mean_itl_ms"] == pytest.approx(11.0) and four["mean_itl_ms"] == pytest.approx(14.0)
+    # another GPU speeds up the device's part, never the host's launch
+    faster = series.on_faster_gpu(2.0, 2.0)
+    assert faster.step_seconds((1, 16, 0, 0), "single", 1)[0] == pytest.approx(
+        series.step_seconds((1, 16, 0, 0), "single", 1)[0] / 2 + 5e-4)
 
 
 def tiny_calibration(tmp_path) -> str:

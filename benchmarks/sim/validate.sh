@@ -10,7 +10,7 @@
 #            simulated on the 0.6b stage's calibration
 #   stored   no GPU: the three ladders as measured on the H200 and on an H100 (benchmarks/sim/measured/, kept
 #            in the repository) against the shipped calibrations of each GPU, simulated here
-#   transfer no GPU: the H100's ladders against the H200's calibrations carried over with `--gpu H100-80GB`
+#   transfer no GPU: each GPU's ladders on the other's calibrations, carried over with `--gpu PRESET`
 # The calibrations (RESULT_DIR/cal) are made as calibrate_shipped.sh makes the 16-bit ones it ships.
 set -eu
 R=${1:-results/sim-validate}
@@ -52,7 +52,7 @@ for stage in $STAGES; do
     preempt)
       ladders "qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$R/cal/$GPU-qwen3-0.6b-bf16.json" "$DOC --kv-cache-memory 1GiB" ;;
     stored) stored h200 h200; stored h100 h100 ;;
-    transfer) stored h100 h200 "--gpu H100-80GB" ;;
+    transfer) stored h100 h200 "--gpu H100-80GB"; stored h200 h100 "--gpu H200-141GB" ;;
     *) echo "unknown stage $stage (8b, 0.6b, preempt, stored, transfer)"; exit 2 ;;
   esac
 done

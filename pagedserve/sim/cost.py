@@ -49,7 +49,7 @@ GRAPHED = ("single", "graph")  # step kinds replayed as CUDA graphs: the host pr
 # request, and the launch) is at most this share of one sequence's decode on the device. In a server the
 # host's parts cost more together than timed apart (the engine's thread and the event loop take turns on
 # the interpreter's lock), so a model whose steps are not several times the host's is host-bound, and
-# its launch stays in the step's time. (Measured on two GPUs: 0.14 for Qwen3-8B, 0.66-1.1 for Qwen3-0.6B.)
+# its launch runs in series with the step. (Measured: 0.12 for Qwen3-8B on an H200 and an H100, 0.49 for Qwen3-0.6B.)
 LAUNCH_HIDES = 1 / 3
 
 
@@ -105,6 +105,7 @@ class CostModel:
     launch_fixed: float = 0.0
     launch_per_seq: float = 0.0
     launch_per_token: float = 0.0
+    launch_hidden: bool = True  # False: the launch runs in series with the step (a host-bound model)
 
     def on_faster_gpu(self, compute: float, bandwidth: float) -> "CostModel":
         """This model on a GPU ``compute`` times as fast at 16-bit tensor math and ``bandwidth`` times as
@@ -123,6 +124,15 @@ class CostModel:
 
     def host_seconds(self, seqs: int) -> float:
         return self.host_fixed + self.host_per_seq * seqs
+
+    def step_seconds(self, features: tuple[int, int, int, int], kind: str, seqs: int) -> tuple[float, float]:
+        """(the device's part, the host's) of a step: the engine's one step in flight overlaps them, so the
+        longer of the two is what the step takes. The launch is the host's where it hides behind the step
+        before, else it is in series with the device's part."""
+        device, launch = self.seconds(*features, kind), self.launch_seconds(kind, seqs, features[0])
+        if self.launch_hidden:
+            return device, self.host_seconds(seqs) + launch
+        return device + launch, self.host_seconds(seqs)
 
     def launch_seconds(self, kind: str, seqs: int, tokens: int) -> float:
         """The host's part of a graph step; a step launched kernel by kernel is held up by its launch
@@ -144,28 +154,28 @@ class CostModel:
 
     @classmethod
     def fit_steps(cls, samples: list[dict], host_samples: list[dict]) -> tuple["CostModel", float]:
-        """The device's terms fitted to the timed steps and the host's to the server runs, with a graph
-        step's launch hidden behind the step before where the host's work allows it (``LAUNCH_HIDES``),
-        else kept in the step's time; and the fit's mean absolute percentage error."""
+        """The device's terms fitted to the timed steps (less a graph step's launch, timed apart) and the
+        host's to the server runs, with the launch hidden behind the step before where the host's work
+        allows it (``LAUNCH_HIDES``), else in series with the step; and the fit's mean absolute percentage
+        error."""
         cost, err = cls.fit(samples)
         cost = cost.with_launch(samples).with_host(host_samples)
         if cost.host_seconds(1) + cost.launch_seconds("single", 1, 1) > LAUNCH_HIDES * cost.single:
-            cost, err = cls.fit(samples, launch_hidden=False)
-            cost = cost.with_host(host_samples)
+            cost = dataclasses.replace(cost, launch_hidden=False)
         return cost, err
 
     @classmethod
-    def fit(cls, samples: list[dict], launch_hidden: bool = True) -> tuple["CostModel", float]:
+    def fit(cls, samples: list[dict]) -> tuple["CostModel", float]:
         """Least squares on relative error over a scan of the breakpoint and the two floors; returns the
         model and its mean absolute percentage error on ``samples`` ({"tokens", "decode_context",
-        "prefill_work", "prefill_keys", "kind", "seconds", optionally "launch"}); ``launch_hidden``: a graph
-        step's launch (timed apart) is the host's, not the device's. For each pair of floors, the device terms are fitted to the
+        "prefill_work", "prefill_keys", "kind", "seconds", and for a graph step optionally "launch": its host's
+        part, not the device's). For each pair of floors, the device terms are fitted to the
         steps they do not hold up (graph replays, and eager steps measured above their floor); S is then the
         median of the single decodes' time less their context's."""
         if len(samples) < 5:
             raise ConfigError("A cost model needs at least five measured steps.")
         x = np.array([[s[f] for f in FEATURES] for s in samples], dtype=float)
-        y = np.array([_device_part(s, launch_hidden) for s in samples])
+        y = np.array([_device_part(s) for s in samples])
         kind = np.array([s["kind"] for s in samples])
         eager, mixed, single = kind == "eager", kind == "mixed", kind == "single"
 
@@ -194,13 +204,15 @@ class CostModel:
                    float(p)), err
 
     def with_launch(self, samples: list[dict]) -> "CostModel":
-        """This model with the launch terms fitted (least squares, non-negative) to the graph steps of
+        """This model with the launch terms fitted (least squares on relative error, non-negative, as the
+        device's: the many short launches count as much as the few long ones) to the graph steps of
         ``samples`` that carry their host part ({"seqs", "tokens", "launch"})."""
-        timed = [s for s in samples if s["kind"] in GRAPHED and "launch" in s]
+        timed = [s for s in samples if s["kind"] in GRAPHED and s.get("launch")]
         if not timed:
             return self
-        a = np.array([[1.0, s["seqs"], s["tokens"]] for s in timed])
-        fixed, per_seq, per_token = _nonnegative_lstsq(a, np.array([s["launch"] for s in timed]))
+        y = np.array([s["launch"] for s in timed])
+        a = np.array([[1.0, s["seqs"], s["tokens"]] for s in timed]) / y[:, None]
+        fixed, per_seq, per_token = _nonnegative_lstsq(a, np.ones(len(timed)))
         return dataclasses.replace(self, launch_fixed=float(fixed), launch_per_seq=float(per_seq),
                                    launch_per_token=float(per_token))
 
@@ -232,10 +244,11 @@ class CostModel:
         return dataclasses.replace(self, delivery_jitter=float(fixed), delivery_jitter_per_seq=float(per_seq))
 
 
-def _device_part(sample: dict, launch_hidden: bool) -> float:
+def _device_part(sample: dict) -> float:
     """What a measured step holds the device for: its time to its tokens, less the host's part before the
-    launch returns for a graph step whose launch hides behind the step before."""
-    if sample["kind"] not in GRAPHED or not launch_hidden:
+    launch returns for a graph step (a step launched kernel by kernel is held up by its launch, which the
+    floors price)."""
+    if sample["kind"] not in GRAPHED:
         return sample["seconds"]
     return sample["seconds"] - sample.get("launch", 0.0)
 
@@ -302,10 +315,10 @@ class Calibration:
                    if self.host_samples
                    else "; the server's host work not measured")
                 + (f"; a graph step's inputs and launch {1e3 * c.launch_fixed:.3f} ms + "
-                   f"{1e3 * c.launch_per_seq:.4f} ms a request + {1e6 * c.launch_per_token:.3f} us a token, hidden "
-                   f"behind the step before" if c.launch_fixed or c.launch_per_seq or c.launch_per_token
-                   else "; a graph step's launch kept in its time (the host bounds this model's steps)"
-                   if any(s.get("launch") for s in self.samples) else "")
+                   f"{1e3 * c.launch_per_seq:.4f} ms a request + {1e6 * c.launch_per_token:.3f} us a token, "
+                   + ("hidden behind the step before" if c.launch_hidden
+                      else "in series with the step (the host bounds this model's steps)")
+                   if c.launch_fixed or c.launch_per_seq or c.launch_per_token else "")
                 + "".join(f" ({note})" for note in self.notes))
 
 

@@ -36,11 +36,8 @@ class SimulatedWorker:
         self._memory = budget.weights + budget.activation_peak + budget.non_torch + budget.kv_cache_bytes
 
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> _Samples | None:
-        # the host's work for a step (the server's, and preparing and launching the next graph) overlaps
-        # the device's (one step in flight): the longer of the two counts
-        features, kind, seqs = step_features(inp), step_kind(inp, self.caps), len(inp.query_lens)
-        device = self.cost.seconds(*features, kind)
-        host = self.cost.host_seconds(seqs) + self.cost.launch_seconds(kind, seqs, features[0])
+        # the host's work for a step overlaps the device's (one step in flight): the longer of the two counts
+        device, host = self.cost.step_seconds(step_features(inp), step_kind(inp, self.caps), len(inp.query_lens))
         seconds = max(device, host)
         self.device_wait += seconds - host
         ready_at = None
