@@ -143,12 +143,12 @@ def paced_server(config, budget, cost: CostModel, *flags: str) -> Iterator[tuple
         yield f"http://127.0.0.1:{port}", server
 
 
-def bench_server(config, budget, cost: CostModel, levels, log=print, burst: bool = False) -> list[dict]:
+def bench_server(config, budget, cost: CostModel, levels, log=print, burst: int = 0) -> list[dict]:
     """The server of ``config`` (a serving one) over a paced worker priced by ``cost``, driven by ``bench
-    serve`` (its own process) at each level of requests in flight: the runs' shapes, their mean time a step
-    and requests a step, their median TTFT and the p95 less the p5 of their inter-token latencies.
-    ``burst``: a level's requests are sent at once, one round of them (else two rounds through the closed
-    loop)."""
+    serve`` (its own process) at each level of requests in flight (two rounds of them through the closed
+    loop), then, with ``burst``, one round of that many requests sent at once: the runs' shapes, their mean
+    time a step and requests a step, their median TTFT and the p95 less the p5 of their inter-token
+    latencies."""
     from pagedserve.bench.launch import bench_serve
 
     # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
@@ -156,9 +156,10 @@ def bench_server(config, budget, cost: CostModel, levels, log=print, burst: bool
     runs = []
     with paced_server(config, budget, cost) as (url, server), tempfile.TemporaryDirectory() as tmp:
         counters = server.config.app.state.engine.core.counters
-        for c in [n for n in levels if n <= config.max_num_seqs]:
+        asked = [(n, False) for n in levels if n <= config.max_num_seqs] + ([(burst, True)] if burst else [])
+        for c, at_once in asked:
             steps, tokens, cpu = counters.num_steps, counters.generation_tokens, time.process_time()
-            prompts = c if burst else max(8, 2 * c)
+            prompts = c if at_once else max(8, 2 * c)
             run = bench_serve(url, [
                 "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(prompts),
                 "--max-concurrency", str(c), "--num-warmups", "0"], Path(tmp) / "host.json")
@@ -170,7 +171,7 @@ def bench_server(config, budget, cost: CostModel, levels, log=print, burst: bool
                          "itl_spread": float(np.percentile(itl, 95) - np.percentile(itl, 5)) if len(itl) else 0.0,
                          "cpu_per_token": (time.process_time() - cpu) / tokens})  # the server's threads
             log(f"server over a worker of {1e3 * cost.fixed:g} ms steps, {c} in flight"
-                f"{' sent at once' if burst else ''}: {tokens / steps:.1f} requests a step, "
+                f"{' sent at once' if at_once else ''}: {tokens / steps:.1f} requests a step, "
                 f"{1e3 * run['duration'] / steps:.3f} ms a step, median TTFT {run['median_ttft_ms']:.1f} ms")
     return runs
 
@@ -214,8 +215,7 @@ def way_in(serving, budget, cost: CostModel, log=print,
     (its request latency, unless ``keep_latency``), then a burst sent at once (the ingress spacing); the
     delivery jitter from both. Returns it and the two runs."""
     paced = dataclasses.replace(_PACED, host_fixed=cost.host_fixed, host_per_seq=cost.host_per_seq)
-    one = bench_server(serving, budget, paced, (1,), log)[0]
-    burst = bench_server(serving, budget, paced, (min(_BURST, serving.max_num_seqs),), log, burst=True)[0]
+    one, burst = bench_server(serving, budget, paced, (1,), log, burst=min(_BURST, serving.max_num_seqs))
     cost = cost.with_delivery([one, burst])
     paced = dataclasses.replace(paced, delivery_jitter=cost.delivery_jitter,
                                 delivery_jitter_per_seq=cost.delivery_jitter_per_seq)
