@@ -45,6 +45,8 @@ def main() -> None:
                     help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")
     ap.add_argument("--fused-decode", default="", help="comma-separated on/off: decode-only steps' attention in one "
                     "kernel (on, the default) or as norm/rotary/store + attention + merge (off), crossed with the rest")
+    ap.add_argument("--decode-pdl", default="", help="comma-separated on/off: the fused decode launched as a "
+                    "programmatic dependent of the q/k/v projection (on, the default on sm_90+) or plainly, crossed with the rest")
     ap.add_argument("--profile", action="store_true", help="also print a kernel profile of bs=1 graph replays")
     ns = ap.parse_args()
     llm = LLM(ns.model, load_format="dummy", dtype=ns.dtype, max_model_len=ns.input_len + ns.output_len + 16,
@@ -62,10 +64,11 @@ def main() -> None:
     check = SamplingParams(temperature=0, max_tokens=min(64, ns.output_len), ignore_eos=True)
     segments = [int(n) for n in ns.decode_segments.split(",")] if ns.decode_segments else [None]
     fused = [f == "on" for f in ns.fused_decode.split(",")] if ns.fused_decode else [None]
-    settings = list(itertools.product(gemvs, segments, fused))
-    for gemv, segs, fuse in settings:
-        if gemv is not None or segs is not None or fuse is not None:
-            recapture(core.worker.runner, gemv, segs, fuse)
+    pdls = [f == "on" for f in ns.decode_pdl.split(",")] if ns.decode_pdl else [None]
+    settings = list(itertools.product(gemvs, segments, fused, pdls))
+    for gemv, segs, fuse, pdl in settings:
+        if gemv is not None or segs is not None or fuse is not None or pdl is not None:
+            recapture(core.worker.runner, gemv, segs, fuse, pdl)
         measure(llm, ns.input_len, ns.output_len, ns.repeats)
         if ns.profile:
             profile_replays(core.worker.runner)
@@ -75,13 +78,17 @@ def main() -> None:
             print(f"{check.max_tokens} greedy tokens {'identical to' if tokens == first else 'DIFFER from'} the first setting's")
 
 
-def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None) -> None:
+def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl: bool | None) -> None:
     """Decode graphs captured again with one-row projections on ``gemv`` (a --gemv setting), decodes
-    split over ``segs`` segments and the fused decode on or off (None: as configured)."""
+    split over ``segs`` segments, the fused decode on or off and launched as a programmatic dependent or
+    not (None: as configured)."""
     if not runner._graphs:
-        sys.exit("--gemv / --decode-segments / --fused-decode: the runner has no decode graphs to capture again")
+        sys.exit("--gemv / --decode-segments / --fused-decode / --decode-pdl: the runner has no decode graphs to "
+                 "capture again")
     if fuse is not None:
         runner.backend.FUSED_DECODE = fuse
+    if pdl is not None:
+        runner.backend.DECODE_PDL = pdl
     if gemv is not None:
         CudaGemv.FUSE_NORM, CudaGemv.PDL = "unfused" not in gemv, "nopdl" not in gemv
         CudaGemv.WARP_CHOICES = () if "fixed" in gemv else WARP_CHOICES
@@ -95,7 +102,8 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None) -> 
     torch.cuda.empty_cache()
     runner.capture_decode_graphs()
     print(f"\n-- one-row projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
-          f"segments, fused decode {'as configured' if fuse is None else 'on' if fuse else 'off'}")
+          f"segments, fused decode {'as configured' if fuse is None else 'on' if fuse else 'off'}, its dependent "
+          f"launch {'as configured' if pdl is None else 'on' if pdl else 'off'}")
 
 
 def measure(llm, input_len: int, output_len: int, repeats: int) -> None:

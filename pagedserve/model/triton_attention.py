@@ -193,7 +193,7 @@ def _fused_decode(
     stride_t, stride_cos, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    FP16_DOTS: tl.constexpr, V_CVT_ASM: tl.constexpr, QK_NORM: tl.constexpr,
+    FP16_DOTS: tl.constexpr, V_CVT_ASM: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """A decode-only step's attention as one kernel a layer instead of three (qkv_rope_store, the
     attention, the merge): at small batches the launches, not the bytes, were the cost.
@@ -202,7 +202,12 @@ def _fused_decode(
     ``qkv_rope_store`` rounds it, rotary) and attends over its segment of the cached keys; the last
     segment adds the request's new key itself and writes the new K and V into the cache (no program reads
     them back). Split over segments, the program that finishes a (request, KV head) last, by an atomic
-    count, merges the partials and resets the count for the next layer."""
+    count, merges the partials and resets the count for the next layer.
+
+    PDL (launched as a programmatic dependent, sm_90+): the programs start while the q/k/v projection
+    streams its last weights, load what the host wrote (positions, lengths) and the rotary and norm
+    constants, and wait for the projection only before reading its output; they then let the next
+    projection launch, so its weight stream starts during this kernel rather than after it."""
     row = tl.program_id(0)  # a decode-only step: tile i is request i is token i
     kvh = tl.program_id(1)
     seg = tl.program_id(2)
@@ -220,6 +225,9 @@ def _fused_decode(
     else:  # unused by norm_rope without the norm
         qw1 = cos
         qw2 = cos
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the q/k/v projection's output is complete and visible
+        tl.extra.cuda.gdc_launch_dependents()  # it reads this kernel's output only after its own wait
     g = tl.arange(0, BLOCK_M)
     real = g < G
     head = kvh * G + g
@@ -317,9 +325,11 @@ class TritonAttentionBackend:
     FP8_SPLIT_WARPS = 2  # fp8 decodes split over segments (V cast, not converted by asm)
     CUDA_FP8_DECODE = True  # e4m3 decodes not split: the CUDA kernel of cuda_decode.py where it applies
     FUSED_DECODE = True  # decode-only steps in one kernel (_fused_decode); off only to measure what it saves
+    DECODE_PDL = True  # ... launched as a programmatic dependent where the device has it; off only to measure
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132, has_pdl: bool = False):
         self.G = num_heads // num_kv_heads
+        self.has_pdl = has_pdl  # programmatic dependent launch (griddepcontrol): CUDA devices of sm_90+
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.num_sms = num_sms
         # a decode tile is one token: its G heads padded to the smallest dot the tensor cores take
@@ -428,6 +438,7 @@ class TritonAttentionBackend:
         split = segs > 1
         fp8 = kv_cache.element_size() == 1
         tile, warps, stages, v_asm = self._shape(launch, st, fp8, kv_cache.is_cuda)
+        pdl = self.DECODE_PDL and self.has_pdl
         cos, sin = layer.rotary.cos, layer.rotary.sin
         _fused_decode[(launch.tile_seq.shape[0], self.num_kv_heads, segs)](
             qkv, positions, cos, sin, cos if qw is None else qw, cos if kw is None else kw, meta.slot_mapping,
@@ -437,8 +448,8 @@ class TritonAttentionBackend:
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
             G=self.G, G_POW2=self.g_pow2, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             NUM_Q=self.num_heads, NUM_KV=self.num_kv_heads, TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs,
-            FP16_DOTS=fp8, V_CVT_ASM=v_asm, QK_NORM=qw is not None,
-            num_warps=warps, num_stages=stages,
+            FP16_DOTS=fp8, V_CVT_ASM=v_asm, QK_NORM=qw is not None, PDL=pdl,
+            num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
         )
         return out
 
