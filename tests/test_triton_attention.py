@@ -278,3 +278,44 @@ def test_prompt_graphs_never_exceed_the_step_budget():
 
     cfg = EngineArgs(max_num_batched_tokens=3000, max_num_seqs=16, max_cudagraph_capture_size=8192).create_config()
     assert cfg.max_cudagraph_capture_size == 3000 and prompt_graph_sizes(cfg.max_cudagraph_capture_size)[-1] == 3000
+
+
+_COMPILE_FUSED_DECODE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedserve.model.triton_attention import _fused_decode
+
+names = _fused_decode.arg_names
+pointers = dict(QKV="*bf16", Pos="*i64", Cos="*fp32", Sin="*fp32", QW="*bf16", KW="*bf16", Slots="*i64",
+                KV="*bf16", Out="*bf16", PartAcc="*fp32", PartML="*fp32", Counter="*i32", block_tables="*i32",
+                seq_lens="*i32", scale="fp32", eps="fp32")
+found = {}
+for pdl in (True, False):
+    const = dict(G=4, G_POW2=4, BLOCK_M=16, HEAD_DIM=128, NUM_Q=32, NUM_KV=8, TILE=128, PAGE=16, NUM_SEGMENTS=16,
+                 FP16_DOTS=False, V_CVT_ASM=False, QK_NORM=True, PDL=pdl)
+    sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
+    src = ASTSource(_fused_decode, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    lines = [line.strip() for line in ptx.splitlines()]
+    found[str(pdl)] = [line.split()[0] for line in lines if line.startswith("griddepcontrol")]
+print(json.dumps(found))
+"""
+
+
+def test_fused_decode_compiles_for_hopper_with_its_dependent_launch():
+    """The GPU-only branch the interpreter never runs: compiled for sm_90, the fused decode waits for the
+    q/k/v projection and then releases the next kernel (griddepcontrol), and without PDL does neither."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FUSED_DECODE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["True"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+    assert found["False"] == []

@@ -339,6 +339,12 @@ class TritonAttentionBackend:
         self._cuda_decode: dict[int, CudaFp8Decode | None] = {}  # by block size, built at the first launch
         self._counts: dict[torch.device, torch.Tensor] = {}  # zeros between kernels: each merge resets its own
 
+    @staticmethod
+    def pdl_supported(device: torch.device) -> bool:
+        """Programmatic dependent launch: griddepcontrol needs sm_90+, and Triton's gdc builtins."""
+        return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+                and hasattr(tl.extra.cuda, "gdc_wait"))
+
     def decode_segments(self, batch: int, max_seq_len: int) -> int:
         """Split long keys over programs when the batch alone cannot fill the GPU."""
         programs = batch * self.num_kv_heads

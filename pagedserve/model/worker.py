@@ -42,8 +42,8 @@ def attention_backend(name: str, device: torch.device, num_heads: int, num_kv_he
     from pagedserve.model.fused import sm_count
     from pagedserve.model.triton_attention import TritonAttentionBackend
 
-    has_pdl = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-    return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sm_count(device), has_pdl)
+    return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sm_count(device),
+                                  TritonAttentionBackend.pdl_supported(device))
 
 
 def _free_port() -> int:
