@@ -52,7 +52,8 @@ def attention_pair(model_type, heads, kv_heads, head_dim, dtype, sms=132):
         max_position_embeddings=8192, rope_theta=1e6))
     rotary = RotaryEmbedding(cfg, 8192).to(DEV)
     ref = Attention(cfg, rotary, TorchAttentionBackend()).to(DEV, dtype)
-    tri = Attention(cfg, rotary, TritonAttentionBackend(heads, kv_heads, head_dim, sms)).to(DEV, dtype)
+    backend = TritonAttentionBackend(heads, kv_heads, head_dim, sms, TritonAttentionBackend.pdl_supported(DEV))
+    tri = Attention(cfg, rotary, backend).to(DEV, dtype)
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, p.shape[-1] ** -0.5 if p.ndim > 1 else 1.0)

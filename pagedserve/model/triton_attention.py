@@ -325,7 +325,7 @@ class TritonAttentionBackend:
     FP8_SPLIT_WARPS = 2  # fp8 decodes split over segments (V cast, not converted by asm)
     CUDA_FP8_DECODE = True  # e4m3 decodes not split: the CUDA kernel of cuda_decode.py where it applies
     FUSED_DECODE = True  # decode-only steps in one kernel (_fused_decode); off only to measure what it saves
-    DECODE_PDL = True  # ... launched as a programmatic dependent where the device has it; off only to measure
+    DECODE_PDL = True  # one sequence's fused decode as a programmatic dependent (sm_90+); off only to measure
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132, has_pdl: bool = False):
         self.G = num_heads // num_kv_heads
@@ -444,7 +444,9 @@ class TritonAttentionBackend:
         split = segs > 1
         fp8 = kv_cache.element_size() == 1
         tile, warps, stages, v_asm = self._shape(launch, st, fp8, kv_cache.is_cuda)
-        pdl = self.DECODE_PDL and self.has_pdl
+        # one row: the q/k/v projection before is the one-row GEMV, which releases this kernel early; after a
+        # cuBLAS projection (larger batches) an early launch only holds SM resources while it runs
+        pdl = self.DECODE_PDL and self.has_pdl and qkv.shape[0] == 1
         cos, sin = layer.rotary.cos, layer.rotary.sin
         _fused_decode[(launch.tile_seq.shape[0], self.num_kv_heads, segs)](
             qkv, positions, cos, sin, cos if qw is None else qw, cos if kw is None else kw, meta.slot_mapping,
