@@ -269,21 +269,27 @@ def test_bench_throughput_end_to_end(tmp_path):
 
 
 def test_offline_floors_price_each_term_by_hand():
-    """The throughput benchmark's floors: weights read or tokens computed a step, whichever is longer;
-    the decodes' contexts (a request of 2 in / 3 out decodes over 3 and 4 tokens); the prompts' attention."""
+    """The throughput benchmark's floors at a GPU's peaks: weights read or tokens computed a step, whichever is
+    longer; the decodes' contexts (a request of 2 in / 3 out decodes over 3 and 4 tokens); the prompts' attention.
+    Off a GPU the peaks are an H200's."""
     import torch
 
-    from benchmarks.engine.length_curve import PEAK_BYTES, PEAK_FLOPS
     from benchmarks.engine.offline_throughput import floors
     from pagedserve.config import EngineArgs
     from pagedserve.memory import kv_bytes_per_token, weight_bytes
 
+    PEAK_FLOPS, PEAK_BYTES = 989e12, 3.35e12  # an H100's, which the floors take from the planner's presets
     m = EngineArgs(model="Qwen/Qwen3-8B", load_format="dummy").create_config(plan_for="cuda").model
     heavy = int(weight_bytes(m, torch.bfloat16) / PEAK_BYTES * PEAK_FLOPS / (2 * m.num_params())) + 100
-    f = floors(m, torch.bfloat16, torch.float8_e4m3fn, [2], [3], [(0.0, 2, 0), (0.0, 0, 1), (0.0, heavy, 0)])
+    f = floors(m, torch.bfloat16, torch.float8_e4m3fn, [2], [3], [(0.0, 2, 0), (0.0, 0, 1), (0.0, heavy, 0)],
+               (PEAK_FLOPS, PEAK_BYTES, "H100-80GB"))
     assert f["floor_projection_seconds"] == pytest.approx(
         2 * weight_bytes(m, torch.bfloat16) / PEAK_BYTES + 2 * m.num_params() * heavy / PEAK_FLOPS)
     assert f["floor_decode_kv_seconds"] == pytest.approx(7 * kv_bytes_per_token(m, torch.float8_e4m3fn) / PEAK_BYTES)
     assert f["floor_prompt_attention_seconds"] == pytest.approx(2 * m.num_layers * m.num_heads * m.head_dim * 4
                                                                 / PEAK_FLOPS)
-    assert f["floor_seconds"] == pytest.approx(sum(v for k, v in f.items() if k != "floor_seconds"))
+    assert f["floor_seconds"] == pytest.approx(sum(v for k, v in f.items() if k not in ("floor_seconds", "floor_peaks")))
+    assert f["floor_peaks"] == [PEAK_FLOPS, PEAK_BYTES, "H100-80GB"]
+    from benchmarks.engine.length_curve import gpu_peaks
+    if not torch.cuda.is_available():
+        assert gpu_peaks() == (989e12, 4.8e12, "H200-141GB (assumed)")

@@ -45,8 +45,9 @@ def main() -> None:
                     help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")
     ap.add_argument("--fused-decode", default="", help="comma-separated on/off: decode-only steps' attention in one "
                     "kernel (on, the default) or as norm/rotary/store + attention + merge (off), crossed with the rest")
-    ap.add_argument("--decode-pdl", default="", help="comma-separated on/off: the fused decode launched as a "
-                    "programmatic dependent of the q/k/v projection (on, the default on sm_90+) or plainly, crossed with the rest")
+    ap.add_argument("--decode-pdl", default="", help="comma-separated on/off: one sequence's fused decode launched "
+                    "as a programmatic dependent of the q/k/v projection (on, the default on sm_90+) or plainly, "
+                    "crossed with the rest")
     ap.add_argument("--profile", action="store_true", help="also print a kernel profile of bs=1 graph replays")
     ns = ap.parse_args()
     llm = LLM(ns.model, load_format="dummy", dtype=ns.dtype, max_model_len=ns.input_len + ns.output_len + 16,

@@ -1,10 +1,10 @@
 """How cost grows with prompt length: one server, `bench serve` at each input length and concurrency, against
 the GPU's floors at that length.
 
-Floors (one H200: 989 dense bf16 TFLOP/s, 4.8 TB/s HBM): a prompt of L tokens needs 2 x params x L FLOPs of
-projections plus 2 x layers x heads x head_dim x L^2 of causal attention, so TTFT cannot beat that over the
-peak; a decode step of c sequences reads every weight once plus each sequence's K/V, so ITL cannot beat
-those bytes over the bandwidth, and output tok/s cannot exceed c over that ITL.
+Floors (at the spec-sheet peaks of the GPU it runs on, e.g. an H200's 989 dense bf16 TFLOP/s and 4.8 TB/s): a
+prompt of L tokens needs 2 x params x L FLOPs of projections plus 2 x layers x heads x head_dim x L^2 of causal
+attention, so TTFT cannot beat that over the peak; a decode step of c sequences reads every weight once plus each
+sequence's K/V, so ITL cannot beat those bytes over the bandwidth, and output tok/s cannot exceed c over that ITL.
 
 python -m benchmarks.engine.length_curve [--model Qwen/Qwen3-8B] [--lengths 512,2048,8192,32768]
     [--concurrency 1,64] [--output-len 256] [--result-dir DIR]
@@ -22,16 +22,30 @@ from pagedserve.bench.launch import LocalServer, bench_serve
 from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.memory import kv_bytes_per_token, weight_bytes
 
-PEAK_FLOPS, PEAK_BYTES = 989e12, 4.8e12
+
+
+def gpu_peaks() -> tuple[float, float, str]:
+    """(dense bf16 FLOP/s, HBM bytes/s, preset) of the GPU this process sees, from the planner's presets;
+    an H200's where it is none of them."""
+    from pagedserve.sim.ladder import preset_of
+    from pagedserve.tune.plan import GPU_PEAKS
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        preset = preset_of(props.name, props.total_memory)
+        if preset is not None:
+            return (*GPU_PEAKS[preset], preset)
+    return (*GPU_PEAKS["H200-141GB"], "H200-141GB (assumed)")
 
 
 def floors(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, length: int, output_len: int,
-           c: int) -> tuple[float, float]:
+           c: int, peaks: tuple[float, float, str]) -> tuple[float, float]:
     """(TTFT floor in s for one prompt alone, output tok/s ceiling at c sequences) at this length."""
+    peak_flops, peak_bytes, _ = peaks
     flops = 2 * model.num_params() * length + 2 * model.num_layers * model.num_heads * model.head_dim * length ** 2
     mid = length + output_len // 2  # the average context over the decode
     step_bytes = weight_bytes(model, dtype) + c * mid * kv_bytes_per_token(model, kv_dtype)
-    return flops / PEAK_FLOPS, c / (step_bytes / PEAK_BYTES)
+    return flops / peak_flops, c / (step_bytes / peak_bytes)
 
 
 def main() -> None:
@@ -57,6 +71,7 @@ def main() -> None:
     flags = ["--load-format", "dummy", "--max-model-len", str(max(lengths) + ns.output_len + 16),
              "--kv-cache-dtype", ns.kv_cache_dtype, *ns.serve_args.split()]
     rows = []
+    peaks = gpu_peaks()
     with LocalServer(ns.model, flags, out / "server.log") as server:
         for length in lengths:
             for c in levels:
@@ -66,12 +81,13 @@ def main() -> None:
                     "--num-prompts", str(prompts), "--max-concurrency", str(c), "--percentile-metrics", "ttft,itl,e2el",
                     "--metric-percentiles", "50,95"], out / f"len{length}-c{c}.json")
                 ttft_floor, tput_ceiling = floors(config.model, config.dtype, config.kv_dtype, length, ns.output_len,
-                                                  min(c, prompts))
+                                                  min(c, prompts), peaks)
                 rows.append((length, c, prompts, r["output_throughput"], tput_ceiling, r["median_ttft_ms"],
                              1e3 * ttft_floor, r["median_itl_ms"], r.get("server_preemptions")))
                 print(f"len {length} c {c}: {r['output_throughput']:.0f} tok/s, median TTFT {r['median_ttft_ms']:.0f} ms",
                       flush=True)
-    print(f"\n{ns.model}, KV {ns.kv_cache_dtype}, output {ns.output_len}; {' '.join(flags)}")
+    print(f"\n{ns.model}, KV {ns.kv_cache_dtype}, output {ns.output_len}; {' '.join(flags)}; floors at the peaks of "
+          f"{peaks[2]} ({peaks[0] / 1e12:.0f} TFLOP/s, {peaks[1] / 1e12:.2f} TB/s)")
     print("| input | concurrency (prompts) | output tok/s | HBM ceiling | of ceiling | median TTFT ms | compute floor ms "
           "| median ITL ms | preemptions |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 
-from benchmarks.engine.length_curve import PEAK_BYTES, PEAK_FLOPS
+from benchmarks.engine.length_curve import gpu_peaks
 from pagedserve import LLM, SamplingParams
 from pagedserve.builtin.known_models import KNOWN_MODELS
 from pagedserve.config import ModelConfig
@@ -80,19 +80,20 @@ def summarize_steps(log: list[tuple[float, int, int]]) -> dict:
 
 
 def floors(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, ins: list[int], outs: list[int],
-           steps: list[tuple[float, int, int]]) -> dict:
+           steps: list[tuple[float, int, int]], peaks: tuple[float, float, str]) -> dict:
     """Seconds the run's work takes at the GPU's peaks with its kernels in series, as the engine runs them
     (no preemptions' recomputation): each step's projections read every weight or compute 2 x params FLOPs
     a token, whichever is longer; the decodes read their K/V; the prompts' attention computes. Which term
     is largest says what bounds the run, and their sum how near the run is to the hardware."""
+    peak_flops, peak_bytes, preset = peaks
     weights, flops_per_token = weight_bytes(model, dtype), 2 * model.num_params()
-    projections = sum(max(weights / PEAK_BYTES, flops_per_token * (pre + dec) / PEAK_FLOPS) for _, pre, dec in steps)
+    projections = sum(max(weights / peak_bytes, flops_per_token * (pre + dec) / peak_flops) for _, pre, dec in steps)
     # a request's decodes read contexts of in + 1 ... in + out - 1 tokens (its first token ends the prompt)
     contexts = sum((o - 1) * i + o * (o - 1) // 2 for i, o in zip(ins, outs))
-    kv = contexts * kv_bytes_per_token(model, kv_dtype) / PEAK_BYTES
-    attention = sum(2 * model.num_layers * model.num_heads * model.head_dim * i ** 2 for i in ins) / PEAK_FLOPS
-    return {"floor_projection_seconds": projections, "floor_decode_kv_seconds": kv,
-            "floor_prompt_attention_seconds": attention, "floor_seconds": projections + kv + attention}
+    kv = contexts * kv_bytes_per_token(model, kv_dtype) / peak_bytes
+    attention = sum(2 * model.num_layers * model.num_heads * model.head_dim * i ** 2 for i in ins) / peak_flops
+    return {"floor_peaks": [peak_flops, peak_bytes, preset], "floor_projection_seconds": projections,
+            "floor_decode_kv_seconds": kv, "floor_prompt_attention_seconds": attention, "floor_seconds": projections + kv + attention}
 
 
 def run_ours(model, prompts, outs, ns) -> dict:
@@ -124,7 +125,7 @@ def run_ours(model, prompts, outs, ns) -> dict:
            "kernel_variants_compiled_in_run": {k: len(v) for k, v in compiled.items() if v},
            **summarize_steps(steps),
            **floors(llm.engine.config.model, llm.engine.config.dtype, llm.engine.config.kv_dtype,
-                    list(map(len, prompts)), outs, steps)}
+                    list(map(len, prompts)), outs, steps, gpu_peaks())}
     del llm, core
     torch.cuda.empty_cache()
     return out
@@ -214,7 +215,9 @@ def main() -> None:
           f"decode-only: {ours['decode_steps']} taking {ours['decode_step_seconds']:.2f} s "
           f"({ours['decode_batch_mean']:.0f} requests a step on average; median "
           f"{ours['decode_ms_at_full_batch']:.2f} ms a step at the largest batch)")
-    print(f"  at the GPU's peaks ({PEAK_FLOPS / 1e12:.0f} TFLOP/s, {PEAK_BYTES / 1e12:.1f} TB/s), kernels in series: "
+    peak_flops, peak_bytes, preset = ours["floor_peaks"]
+    print(f"  at the peaks of the {preset} ({peak_flops / 1e12:.0f} TFLOP/s, {peak_bytes / 1e12:.2f} TB/s), kernels "
+          f"in series: "
           f"projections {ours['floor_projection_seconds']:.1f} s, "
           f"decodes' K/V {ours['floor_decode_kv_seconds']:.1f} s, "
           f"prompts' attention {ours['floor_prompt_attention_seconds']:.1f} s; {ours['floor_seconds']:.1f} s in all "
