@@ -274,6 +274,7 @@ def test_offline_floors_price_each_term_by_hand():
     Off a GPU the peaks are an H200's."""
     import torch
 
+    from benchmarks.engine.length_curve import gpu_peaks
     from benchmarks.engine.offline_throughput import floors
     from pagedserve.config import EngineArgs
     from pagedserve.memory import kv_bytes_per_token, weight_bytes
@@ -288,8 +289,8 @@ def test_offline_floors_price_each_term_by_hand():
     assert f["floor_decode_kv_seconds"] == pytest.approx(7 * kv_bytes_per_token(m, torch.float8_e4m3fn) / PEAK_BYTES)
     assert f["floor_prompt_attention_seconds"] == pytest.approx(2 * m.num_layers * m.num_heads * m.head_dim * 4
                                                                 / PEAK_FLOPS)
-    assert f["floor_seconds"] == pytest.approx(sum(v for k, v in f.items() if k not in ("floor_seconds", "floor_peaks")))
+    terms = [v for k, v in f.items() if k not in ("floor_seconds", "floor_peaks")]
+    assert f["floor_seconds"] == pytest.approx(sum(terms))
     assert f["floor_peaks"] == [PEAK_FLOPS, PEAK_BYTES, "H100-80GB"]
-    from benchmarks.engine.length_curve import gpu_peaks
     if not torch.cuda.is_available():
         assert gpu_peaks() == (989e12, 4.8e12, "H200-141GB (assumed)")

@@ -23,7 +23,6 @@ from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.memory import kv_bytes_per_token, weight_bytes
 
 
-
 def gpu_peaks() -> tuple[float, float, str]:
     """(dense bf16 FLOP/s, HBM bytes/s, preset) of the GPU this process sees, from the planner's presets;
     an H200's where it is none of them."""

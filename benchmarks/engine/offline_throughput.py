@@ -93,7 +93,8 @@ def floors(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, ins: l
     kv = contexts * kv_bytes_per_token(model, kv_dtype) / peak_bytes
     attention = sum(2 * model.num_layers * model.num_heads * model.head_dim * i ** 2 for i in ins) / peak_flops
     return {"floor_peaks": [peak_flops, peak_bytes, preset], "floor_projection_seconds": projections,
-            "floor_decode_kv_seconds": kv, "floor_prompt_attention_seconds": attention, "floor_seconds": projections + kv + attention}
+            "floor_decode_kv_seconds": kv, "floor_prompt_attention_seconds": attention,
+            "floor_seconds": projections + kv + attention}
 
 
 def run_ours(model, prompts, outs, ns) -> dict:
@@ -217,8 +218,7 @@ def main() -> None:
           f"{ours['decode_ms_at_full_batch']:.2f} ms a step at the largest batch)")
     peak_flops, peak_bytes, preset = ours["floor_peaks"]
     print(f"  at the peaks of the {preset} ({peak_flops / 1e12:.0f} TFLOP/s, {peak_bytes / 1e12:.2f} TB/s), kernels "
-          f"in series: "
-          f"projections {ours['floor_projection_seconds']:.1f} s, "
+          f"in series: projections {ours['floor_projection_seconds']:.1f} s, "
           f"decodes' K/V {ours['floor_decode_kv_seconds']:.1f} s, "
           f"prompts' attention {ours['floor_prompt_attention_seconds']:.1f} s; {ours['floor_seconds']:.1f} s in all "
           f"= {ours['output_tokens'] / ours['floor_seconds']:.0f} output tok/s at most, the run at "
