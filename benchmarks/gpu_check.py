@@ -129,6 +129,14 @@ def check_gemv() -> None:
         ref = F.linear(fused.silu_mul(x).float() if silu else x.float(), w.float())
         err = ((gemv(x, w, silu_mul=silu).float() - ref).abs().max() / ref.abs().max()).item()
         print(f"CUDA GEMV [{n} x {k}]{' silu-mul' if silu else ''}: rel err {err:.2e} {'OK' if err < 1e-2 else 'FAIL'}")
+    for n, k in ((4096, 4096), (1024, 2048), (100, 768)):  # o_proj's shapes, staged into shared memory
+        w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
+        x = torch.randn((1, k), device=dev, dtype=torch.bfloat16)
+        y, ref = gemv(x, w, staged=True), F.linear(x.float(), w.float())
+        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        same = torch.equal(y, gemv(x, w))  # each row is summed by one warp in one order either way
+        print(f"CUDA GEMV staged ({gemv.staged_chunks(n, k)} chunks a warp) [{n} x {k}]: rel err {err:.2e}, "
+              f"{'equal to' if same else 'DIFFERS from'} the plain kernel {'OK' if err < 1e-2 and same else 'FAIL'}")
     for n, k, has_res in ((6144, 4096, False), (6144, 4096, True), (24576, 4096, True), (2048, 1024, True)):
         w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
         x, r = (torch.randn((1, k), device=dev, dtype=torch.bfloat16) for _ in range(2))

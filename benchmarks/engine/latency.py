@@ -1,6 +1,7 @@
 """Single-request decode latency and where a step's time goes.
 
-python -m benchmarks.engine.latency --model Qwen/Qwen3-8B --input-len 1024 --output-len 256 [--gemv cuda,cublas] [--decode-segments 4,16]
+python -m benchmarks.engine.latency --model Qwen/Qwen3-8B --input-len 1024 --output-len 256 [--gemv cuda,cublas]
+    [--decode-segments 4,16] [--o-proj-staged on,off]
 
 Prints TTFT, inter-token latency (mean / p50 / p99 over the steps after the first token), the GPU time of
 one captured decode graph replay (CUDA events), and the host time of each phase of a step. The host
@@ -24,7 +25,7 @@ from pagedserve import LLM, SamplingParams
 from benchmarks.kernels.harness import graph_ms
 from pagedserve.bench.latency import run_latency
 from pagedserve.memory import GiB, weight_bytes
-from pagedserve.model.cuda_gemv import CudaGemv
+from pagedserve.model.cuda_gemv import CudaGemv, prefer_shared_memory
 from pagedserve.model.layers import use_gemv
 
 WARP_CHOICES = CudaGemv.WARP_CHOICES  # the engine's, restored by settings without -fixed
@@ -48,6 +49,10 @@ def main() -> None:
     ap.add_argument("--decode-pdl", default="", help="comma-separated on/off: one sequence's fused decode launched "
                     "as a programmatic dependent of the q/k/v projection (on, the default on sm_90+) or plainly, "
                     "crossed with the rest")
+    ap.add_argument("--o-proj-staged", default="", help="comma-separated on/off/on-l1: o_proj's weights staged "
+                    "into shared memory while one sequence's attention runs (on, the default on sm_90+), not (off), "
+                    "or staged with the attention kernel's L1/shared split left to the driver (on-l1); crossed "
+                    "with the rest")
     ap.add_argument("--profile", action="store_true", help="also print a kernel profile of bs=1 graph replays")
     ns = ap.parse_args()
     llm = LLM(ns.model, load_format="dummy", dtype=ns.dtype, max_model_len=ns.input_len + ns.output_len + 16,
@@ -66,10 +71,11 @@ def main() -> None:
     segments = [int(n) for n in ns.decode_segments.split(",")] if ns.decode_segments else [None]
     fused = [f == "on" for f in ns.fused_decode.split(",")] if ns.fused_decode else [None]
     pdls = [f == "on" for f in ns.decode_pdl.split(",")] if ns.decode_pdl else [None]
-    settings = list(itertools.product(gemvs, segments, fused, pdls))
-    for gemv, segs, fuse, pdl in settings:
-        if gemv is not None or segs is not None or fuse is not None or pdl is not None:
-            recapture(core.worker.runner, gemv, segs, fuse, pdl)
+    stagings = ns.o_proj_staged.split(",") if ns.o_proj_staged else [None]
+    settings = list(itertools.product(gemvs, segments, fused, pdls, stagings))
+    for gemv, segs, fuse, pdl, staged in settings:
+        if any(v is not None for v in (gemv, segs, fuse, pdl, staged)):
+            recapture(core.worker.runner, gemv, segs, fuse, pdl, staged)
         measure(llm, ns.input_len, ns.output_len, ns.repeats)
         if ns.profile:
             profile_replays(core.worker.runner)
@@ -79,13 +85,20 @@ def main() -> None:
             print(f"{check.max_tokens} greedy tokens {'identical to' if tokens == first else 'DIFFER from'} the first setting's")
 
 
-def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl: bool | None) -> None:
+def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl: bool | None,
+              staged: str | None) -> None:
     """Decode graphs captured again with one-row projections on ``gemv`` (a --gemv setting), decodes
     split over ``segs`` segments, the fused decode on or off and launched as a programmatic dependent or
-    not (None: as configured)."""
+    not, o_proj staged or not (an --o-proj-staged setting; None: as configured)."""
     if not runner._graphs:
-        sys.exit("--gemv / --decode-segments / --fused-decode / --decode-pdl: the runner has no decode graphs to "
-                 "capture again")
+        sys.exit("--gemv / --decode-segments / --fused-decode / --decode-pdl / --o-proj-staged: the runner has no "
+                 "decode graphs to capture again")
+    if staged is not None:
+        CudaGemv.STAGE = staged.startswith("on")
+        runner.backend.DECODE_CARVEOUT = staged == "on"
+        for function in runner.backend._carved:  # the driver's own split again until a launch carves it
+            prefer_shared_memory(function, -1)
+        runner.backend._carved.clear()
     if fuse is not None:
         runner.backend.FUSED_DECODE = fuse
     if pdl is not None:
@@ -104,7 +117,8 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
     runner.capture_decode_graphs()
     print(f"\n-- one-row projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
           f"segments, fused decode {'as configured' if fuse is None else 'on' if fuse else 'off'}, its dependent "
-          f"launch {'as configured' if pdl is None else 'on' if pdl else 'off'}")
+          f"launch {'as configured' if pdl is None else 'on' if pdl else 'off'}, o_proj staged: "
+          f"{'as configured' if staged is None else staged}")
 
 
 def measure(llm, input_len: int, output_len: int, repeats: int) -> None:

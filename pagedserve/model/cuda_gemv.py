@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("gemv.cu")
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_MAX_DYNAMIC_SHARED_SIZE_BYTES, _PREFERRED_SHARED_MEMORY_CARVEOUT = 8, 9  # CUfunction_attribute
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
@@ -40,12 +41,18 @@ class CudaGemv:
     WARPS = 32
     WARP_CHOICES = (32, 28, 24, 20, 16)  # warps a CTA ``warps_for`` picks from (up to ``warps``)
     UNROLL = 4
+    # the projection after attention (``staged``): its weights start copying into shared memory while the
+    # attention kernel runs beside it; half the registers (16 warps at <= 64 a thread) and 160 KB of shared
+    # memory a CTA leave room for the attention's CTA on the same multiprocessor
+    STAGE = True  # False: that projection runs as any other (the engine's A/B switch)
+    STAGE_WARPS = 16
+    STAGE_BYTES = 160 * 1024
 
     def __init__(self, device: torch.device, warps: int | None = None, unroll: int | None = None):
         self.device = device
         self.warps, self.unroll = warps or self.WARPS, unroll or self.UNROLL
         self.sms = sm_count(device)
-        self._kernels: dict[tuple[int, int, bool, bool, bool], object] = {}
+        self._kernels: dict[tuple[int, int, bool, bool, bool, int], tuple[object, int, int]] = {}
         # programmatic dependent launch where the device has it (griddepcontrol: sm_90+)
         self.pdl = self.PDL and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
         self._libcuda = torch.cuda._utils._get_gpu_runtime_library() if device.type == "cuda" else None
@@ -97,17 +104,34 @@ class CudaGemv:
                 best, best_balance = w, balance
         return best
 
-    def _kernel(self, n: int, k: int, silu_mul: bool = False, norm: bool = False, residual: bool = False):
-        """(the compiled variant for an n x k weight, its warps a CTA)."""
-        warps = self.warps_for(n)
-        key = (warps, k, silu_mul, norm, residual)
+    def staged_chunks(self, n: int, k: int) -> int:
+        """Chunks (one step's loads of a warp) each warp of a staged n x k projection copies to shared memory
+        before its wait: what ``STAGE_BYTES`` holds, less the one chunk that waits in registers anyway."""
+        unroll, warps = self.unroll_for(k), self.STAGE_WARPS
+        chunks = -(-n // (min(self.sms, -(-n // warps)) * warps)) * (k // 8 // (32 * unroll))
+        return max(0, min(self.STAGE_BYTES // (warps * unroll * 32 * 16), chunks - 1))
+
+    def _kernel(self, n: int, k: int, silu_mul: bool = False, norm: bool = False, residual: bool = False,
+                staged: bool = False) -> tuple[object, int, int]:
+        """(the compiled variant for an n x k weight, its warps a CTA, its dynamic shared memory in bytes)."""
+        chunks = self.staged_chunks(n, k) if staged and self.STAGE and self.pdl else 0
+        warps = self.STAGE_WARPS if chunks else self.warps_for(n)
+        key = (warps, k, silu_mul, norm, residual, chunks)
         if key not in self._kernels:
+            unroll = self.unroll_for(k)
+            options = ["-std=c++17", f"-DK={k}", f"-DWARPS={warps}", f"-DUNROLL={unroll}",
+                       f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}", f"-DHAS_RESIDUAL={int(residual)}"]
+            if chunks:
+                options += [f"-DSTAGED={chunks}", "-DMIN_CTAS=2"]
             with torch.cuda.device(self.device):
-                self._kernels[key] = torch.cuda._compile_kernel(
-                    _SOURCE.read_text(), "gemv_bf16",
-                    nvcc_options=["-std=c++17", f"-DK={k}", f"-DWARPS={warps}", f"-DUNROLL={self.unroll_for(k)}",
-                                  f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}", f"-DHAS_RESIDUAL={int(residual)}"])
-        return self._kernels[key], warps
+                kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), "gemv_bf16", nvcc_options=options)
+                shared = chunks * warps * unroll * 32 * 16
+                if shared:  # above 48 KB of dynamic shared memory a kernel must opt in
+                    torch.cuda._utils._check_cuda(
+                        self._libcuda.cuFuncSetAttribute(kernel.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared))
+                    prefer_shared_memory(kernel.func)
+            self._kernels[key] = kernel, warps, shared
+        return self._kernels[key]
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
         """One contiguous bf16 row against a contiguous bf16 weight of rows a multiple of 256 values that fit
@@ -118,10 +142,12 @@ class CudaGemv:
                 and weight.is_contiguous() and k % 256 == 0 and k * 2 <= 48 * 1024
                 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """x @ weight.T for one row x (with ``silu_mul``: silu(gate) * up of x = [gate | up], then the product)."""
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
+                 staged: bool = False) -> torch.Tensor:
+        """x @ weight.T for one row x (with ``silu_mul``: silu(gate) * up of x = [gate | up], then the product;
+        ``staged``: x comes from the attention kernel, and the weights are staged while it runs)."""
         out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-        self._launch(self._kernel(*weight.shape, silu_mul), weight, x, out, x, x, x, 0.0)
+        self._launch(self._kernel(*weight.shape, silu_mul, staged=staged), weight, x, out, x, x, x, 0.0)
         return out
 
     def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -142,7 +168,7 @@ class CudaGemv:
         return out, new_residual
 
     def _launch(self, variant, weight, x, out, residual, norm_weight, new_residual, eps: float) -> None:
-        kernel, warps = variant
+        kernel, warps, shared = variant
         n = weight.shape[0]
         grid, block = min(self.sms, -(-n // warps)), 32 * warps
         # torch's launcher takes no launch attributes: the kernel's parameters go through cuLaunchKernelEx
@@ -150,13 +176,23 @@ class CudaGemv:
                   ctypes.c_int(n), ctypes.c_void_p(residual.data_ptr()), ctypes.c_void_p(norm_weight.data_ptr()),
                   ctypes.c_void_p(new_residual.data_ptr()), ctypes.c_double(eps)]
         params = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
-        config = _LaunchConfig((grid, 1, 1), (block, 1, 1), 0, torch.cuda.current_stream().cuda_stream,
+        config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, torch.cuda.current_stream().cuda_stream,
                                ctypes.pointer(self._attr), int(self.pdl))
         torch.cuda._utils._check_cuda(self._libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: CudaGemv | None) -> torch.Tensor:
-    """The projection: the CUDA GEMV where it takes the operands, else cuBLAS."""
+def prefer_shared_memory(function: int | ctypes.c_void_p, percent: int = 100) -> None:
+    """Ask the driver to carve ``percent`` of a kernel's L1 into shared memory (-1: the driver's choice), so
+    that a staged projection's CTA (``CudaGemv.STAGE``) fits beside that kernel's on a multiprocessor."""
+    torch.cuda._utils._check_cuda(torch.cuda._utils._get_gpu_runtime_library().cuFuncSetAttribute(
+        function if isinstance(function, ctypes.c_void_p) else ctypes.c_void_p(function),
+        _PREFERRED_SHARED_MEMORY_CARVEOUT, percent))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: CudaGemv | None,
+           staged: bool = False) -> torch.Tensor:
+    """The projection: the CUDA GEMV where it takes the operands (``staged``: see ``CudaGemv.__call__``), else
+    cuBLAS."""
     if gemv is not None and bias is None and gemv.takes(x, weight):
-        return gemv(x, weight)
+        return gemv(x, weight, staged=staged)
     return F.linear(x, weight, bias)

@@ -14,6 +14,10 @@
 // still running: they put their first W loads in flight, then wait (griddepcontrol.wait) for that kernel's
 // output before staging x, and let the next GEMV start as soon as x is staged. The weight stream of one
 // projection thus overlaps the tail of the previous one instead of starting after it.
+// STAGED: before the wait, each warp also copies its first STAGED chunks (a chunk: one step's UNROLL loads
+// of 32 lanes) into shared memory with cp.async, which holds no registers. Meant for the projection after
+// the attention kernel: attention reads little and leaves room on the SMs, so o_proj's CTAs sit beside it
+// and most of o_proj's weights arrive while attention runs. Each lane reads back only what it copied.
 // No headers: bf16 travels as its bits, so NVRTC needs no CUDA include directory.
 typedef unsigned short bf16_t;
 typedef unsigned int uint32_t;
@@ -36,6 +40,14 @@ typedef unsigned int uint32_t;
 #ifndef HAS_RESIDUAL
 #define HAS_RESIDUAL 0
 #endif
+#ifndef STAGED
+#define STAGED 0
+#endif
+#ifdef MIN_CTAS  // CTAs a multiprocessor must hold at once: caps the registers a thread may use
+#define BOUNDS __launch_bounds__(WARPS * 32, MIN_CTAS)
+#else
+#define BOUNDS __launch_bounds__(WARPS * 32)
+#endif
 #define PIECES (K / 8)            // 16-byte pieces of a row
 #define STEPS (PIECES / (32 * UNROLL))  // a warp's steps along one row
 
@@ -54,6 +66,11 @@ __device__ __forceinline__ uint4 stream_load(const uint4* p) {  // read once: ke
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+}
+__device__ __forceinline__ void copy_async(uint4* dst, const uint4* src) {  // 16 bytes, global to shared
+    unsigned int d;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
 }
 __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
     acc = fmaf(lo(w.x), lo(x.x), acc); acc = fmaf(hi(w.x), hi(x.x), acc);
@@ -119,21 +136,37 @@ __device__ __forceinline__ void stage_x(uint4* xs, const uint4* X, const uint4* 
 }
 
 // R, NW, ROut, eps: the residual, norm weight, residual out and epsilon of NORM (unused otherwise).
-extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv_bf16(const uint4* __restrict__ W,
-                                                                  const uint4* __restrict__ X,
-                                                                  bf16_t* __restrict__ Y, int N,
-                                                                  const uint4* __restrict__ R,
-                                                                  const uint4* __restrict__ NW,
-                                                                  uint4* __restrict__ ROut, double eps) {
+extern "C" __global__ void BOUNDS gemv_bf16(const uint4* __restrict__ W, const uint4* __restrict__ X,
+                                           bf16_t* __restrict__ Y, int N, const uint4* __restrict__ R,
+                                           const uint4* __restrict__ NW, uint4* __restrict__ ROut, double eps) {
     __shared__ uint4 xs[PIECES];
     const int lane = threadIdx.x & 31;
     const int stride = gridDim.x * WARPS;
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5), step = 0;
     uint4 next[UNROLL];
+#if STAGED
+    extern __shared__ uint4 staged[];  // WARPS * STAGED chunks (dynamic shared memory)
+    uint4* mine = staged + (threadIdx.x >> 5) * (STAGED * UNROLL * 32) + lane;
+    int lrow = row, lstep = 0, chunks = 0;  // then the chunk after the staged ones goes to registers
+    for (; chunks < STAGED && lrow < N; ++chunks) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            copy_async(mine + (chunks * UNROLL + u) * 32,
+                       W + (long)lrow * PIECES + lstep * 32 * UNROLL + u * 32 + lane);
+        if (++lstep == STEPS) { lstep = 0; lrow += stride; }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    if (lrow < N) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            next[u] = stream_load(W + (long)lrow * PIECES + lstep * 32 * UNROLL + u * 32 + lane);
+    }
+#else
     if (row < N) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) next[u] = stream_load(W + (long)row * PIECES + u * 32 + lane);
     }
+#endif
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's output (x) is complete
 #endif
@@ -142,15 +175,32 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) gemv_bf16(const uint4* 
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
+#if STAGED
+    asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies have landed
+    int chunk = 0;
+#endif
     float acc = 0.f;
     while (row < N) {
         uint4 cur[UNROLL];
+#if STAGED
+        const bool from_shared = chunk++ < chunks;
+        if (from_shared) {
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) cur[u] = next[u];
+            for (int u = 0; u < UNROLL; ++u) cur[u] = mine[(chunk - 1) * UNROLL * 32 + u * 32];
+        } else
+#endif
+        {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) cur[u] = next[u];
+        }
         const int piece0 = step * 32 * UNROLL + lane;
         int nrow = row, nstep = step + 1;
         if (nstep == STEPS) { nstep = 0; nrow += stride; }
+#if STAGED
+        if (nrow < N && !from_shared) {
+#else
         if (nrow < N) {
+#endif
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u)
                 next[u] = stream_load(W + (long)nrow * PIECES + nstep * 32 * UNROLL + u * 32 + lane);

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from pagedserve.model.attention import AttentionMetadata, to_device
 from pagedserve.model.cuda_decode import CudaFp8Decode
+from pagedserve.model.cuda_gemv import prefer_shared_memory
 from pagedserve.model.fused import norm_rope, qkv_rope_store
 
 
@@ -326,6 +327,8 @@ class TritonAttentionBackend:
     CUDA_FP8_DECODE = True  # e4m3 decodes not split: the CUDA kernel of cuda_decode.py where it applies
     FUSED_DECODE = True  # decode-only steps in one kernel (_fused_decode); off only to measure what it saves
     DECODE_PDL = True  # one sequence's fused decode as a programmatic dependent (sm_90+); off only to measure
+    # ... preferring shared memory to L1, so o_proj's staged CTAs fit beside it; off only to measure
+    DECODE_CARVEOUT = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132, has_pdl: bool = False):
         self.G = num_heads // num_kv_heads
@@ -338,6 +341,7 @@ class TritonAttentionBackend:
         self.prefill_block_q = max(1, self.PREFILL_ROWS // self.G)
         self._cuda_decode: dict[int, CudaFp8Decode | None] = {}  # by block size, built at the first launch
         self._counts: dict[torch.device, torch.Tensor] = {}  # zeros between kernels: each merge resets its own
+        self._carved: set[int] = set()  # fused decode kernels given the shared-memory carveout
 
     @staticmethod
     def pdl_supported(device: torch.device) -> bool:
@@ -448,7 +452,7 @@ class TritonAttentionBackend:
         # cuBLAS projection (larger batches) an early launch only holds SM resources while it runs
         pdl = self.DECODE_PDL and self.has_pdl and qkv.shape[0] == 1
         cos, sin = layer.rotary.cos, layer.rotary.sin
-        _fused_decode[(launch.tile_seq.shape[0], self.num_kv_heads, segs)](
+        kernel = _fused_decode[(launch.tile_seq.shape[0], self.num_kv_heads, segs)](
             qkv, positions, cos, sin, cos if qw is None else qw, cos if kw is None else kw, meta.slot_mapping,
             kv_cache, out, st.part_acc if split else out, st.part_ml if split else out, st.counts if split else out,
             meta.block_tables, meta.seq_lens, layer.scale, eps,
@@ -459,6 +463,9 @@ class TritonAttentionBackend:
             FP16_DOTS=fp8, V_CVT_ASM=v_asm, QK_NORM=qw is not None, PDL=pdl,
             num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
         )
+        if pdl and self.DECODE_CARVEOUT and kernel.function not in self._carved:  # from the next launch on
+            prefer_shared_memory(kernel.function)
+            self._carved.add(kernel.function)
         return out
 
     def attend(self, q, kv_cache, meta, scale):
