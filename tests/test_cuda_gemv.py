@@ -77,3 +77,22 @@ def test_warps_a_cta_spread_rows_evenly():
     assert g.warps_for(4096) == 32 and g.warps_for(12288) == 32 and g.warps_for(24576) == 32
     assert g.warps_for(151936) == 32
     assert CudaGemv(CPU, warps=16).warps_for(6144) == 16
+
+
+def test_o_proj_alone_stages_most_of_its_weights_beside_attention(monkeypatch):
+    """The projection after attention copies what 160 KB a CTA of 16 warps holds, less the chunk that waits
+    in registers anyway; nothing without programmatic dependent launch (no early start to fill)."""
+    g = CudaGemv(CPU)  # 132 SMs off the GPU
+    # Qwen3-8B o_proj: 4096 rows over 132 x 16 warps, 2 rows (8 chunks of 4 loads a lane) a warp: 5 fit
+    assert g.staged_chunks(4096, 4096) == 5
+    assert g.staged_chunks(1024, 2048) == 1  # Qwen3-0.6B: one row of 2 chunks a warp, the second in registers
+    assert g.staged_chunks(100, 768) == 2  # one load a lane: a row is 3 chunks
+    w = torch.zeros((4096, 4096), dtype=torch.bfloat16)
+    assert not g.stages(w)  # no PDL on the CPU
+    monkeypatch.setattr(g, "pdl", True)
+    assert g.stages(w) and not g.stages(w.float()) and not g.stages(torch.zeros((4096, 4000), dtype=torch.bfloat16))
+    monkeypatch.setattr(CudaGemv, "STAGE", False)
+    assert not g.stages(w)
+    model = LLM("tiny", max_model_len=64, max_num_seqs=2).engine.core.worker.runner.model
+    staged = {name for name, m in model.named_modules() if isinstance(m, Linear) and m.staged}
+    assert staged == {f"model.layers.{i}.self_attn.o_proj" for i in range(model.config.num_layers)}

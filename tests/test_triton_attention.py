@@ -293,21 +293,23 @@ pointers = dict(QKV="*bf16", Pos="*i64", Cos="*fp32", Sin="*fp32", QW="*bf16", K
                 KV="*bf16", Out="*bf16", PartAcc="*fp32", PartML="*fp32", Counter="*i32", block_tables="*i32",
                 seq_lens="*i32", scale="fp32", eps="fp32")
 found = {}
-for pdl in (True, False):
+for label, pdl, prefetch in (("pdl", True, 0), ("prefetch", True, 2), ("plain", False, 0)):
     const = dict(G=4, G_POW2=4, BLOCK_M=16, HEAD_DIM=128, NUM_Q=32, NUM_KV=8, TILE=128, PAGE=16, NUM_SEGMENTS=16,
-                 FP16_DOTS=False, V_CVT_ASM=False, QK_NORM=True, PDL=pdl)
+                 FP16_DOTS=False, V_CVT_ASM=False, QK_NORM=True, PDL=pdl, PREFETCH_LINES=prefetch)
     sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
     src = ASTSource(_fused_decode, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
     lines = [line.strip() for line in ptx.splitlines()]
-    found[str(pdl)] = [line.split()[0] for line in lines if line.startswith("griddepcontrol")]
+    found[label] = [line.split()[0] for line in lines if line.startswith(("griddepcontrol", "prefetch"))]
 print(json.dumps(found))
 """
 
 
 def test_fused_decode_compiles_for_hopper_with_its_dependent_launch():
     """The GPU-only branch the interpreter never runs: compiled for sm_90, the fused decode waits for the
-    q/k/v projection and then releases the next kernel (griddepcontrol), and without PDL does neither."""
+    q/k/v projection and then releases the next kernel (griddepcontrol), and without PDL does neither; with
+    the prefetch, each of its 128 threads pulls 4 of the first tile's 512 K/V lines (128 keys x 2 lines x K
+    and V) into L2 before the wait."""
     import json
     import os
     import subprocess
@@ -318,5 +320,6 @@ def test_fused_decode_compiles_for_hopper_with_its_dependent_launch():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert found["True"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
-    assert found["False"] == []
+    assert found["pdl"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+    assert found["prefetch"] == ["prefetch.global.L2"] * 4 + found["pdl"]
+    assert found["plain"] == []

@@ -25,7 +25,7 @@ from pagedserve import LLM, SamplingParams
 from benchmarks.kernels.harness import graph_ms
 from pagedserve.bench.latency import run_latency
 from pagedserve.memory import GiB, weight_bytes
-from pagedserve.model.cuda_gemv import CudaGemv, prefer_shared_memory
+from pagedserve.model.cuda_gemv import CudaGemv
 from pagedserve.model.layers import use_gemv
 
 WARP_CHOICES = CudaGemv.WARP_CHOICES  # the engine's, restored by settings without -fixed
@@ -49,10 +49,9 @@ def main() -> None:
     ap.add_argument("--decode-pdl", default="", help="comma-separated on/off: one sequence's fused decode launched "
                     "as a programmatic dependent of the q/k/v projection (on, the default on sm_90+) or plainly, "
                     "crossed with the rest")
-    ap.add_argument("--o-proj-staged", default="", help="comma-separated on/off/on-l1: o_proj's weights staged "
-                    "into shared memory while one sequence's attention runs (on, the default on sm_90+), not (off), "
-                    "or staged with the attention kernel's L1/shared split left to the driver (on-l1); crossed "
-                    "with the rest")
+    ap.add_argument("--o-proj-staged", default="", help="comma-separated on/off: o_proj's weights copied into "
+                    "shared memory while one sequence's attention runs, with that attention's first key tile "
+                    "prefetched into L2 (on, the default on sm_90+), or neither (off); crossed with the rest")
     ap.add_argument("--profile", action="store_true", help="also print a kernel profile of bs=1 graph replays")
     ns = ap.parse_args()
     llm = LLM(ns.model, load_format="dummy", dtype=ns.dtype, max_model_len=ns.input_len + ns.output_len + 16,
@@ -89,16 +88,12 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
               staged: str | None) -> None:
     """Decode graphs captured again with one-row projections on ``gemv`` (a --gemv setting), decodes
     split over ``segs`` segments, the fused decode on or off and launched as a programmatic dependent or
-    not, o_proj staged or not (an --o-proj-staged setting; None: as configured)."""
+    not, o_proj staged or not (None: as configured)."""
     if not runner._graphs:
         sys.exit("--gemv / --decode-segments / --fused-decode / --decode-pdl / --o-proj-staged: the runner has no "
                  "decode graphs to capture again")
     if staged is not None:
-        CudaGemv.STAGE = staged.startswith("on")
-        runner.backend.DECODE_CARVEOUT = staged == "on"
-        for function in runner.backend._carved:  # the driver's own split again until a launch carves it
-            prefer_shared_memory(function, -1)
-        runner.backend._carved.clear()
+        CudaGemv.STAGE = staged == "on"
     if fuse is not None:
         runner.backend.FUSED_DECODE = fuse
     if pdl is not None:

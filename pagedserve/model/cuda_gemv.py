@@ -43,7 +43,8 @@ class CudaGemv:
     UNROLL = 4
     # the projection after attention (``staged``): its weights start copying into shared memory while the
     # attention kernel runs beside it; half the registers (16 warps at <= 64 a thread) and 160 KB of shared
-    # memory a CTA leave room for the attention's CTA on the same multiprocessor
+    # memory a CTA leave room for one attention CTA on the same multiprocessor, and none for a second
+    # staged CTA (smaller copies, which let two share a multiprocessor, measured slower than none)
     STAGE = True  # False: that projection runs as any other (the engine's A/B switch)
     STAGE_WARPS = 16
     STAGE_BYTES = 160 * 1024
@@ -111,10 +112,15 @@ class CudaGemv:
         chunks = -(-n // (min(self.sms, -(-n // warps)) * warps)) * (k // 8 // (32 * unroll))
         return max(0, min(self.STAGE_BYTES // (warps * unroll * 32 * 16), chunks - 1))
 
+    def stages(self, weight: torch.Tensor) -> bool:
+        """Whether a one-row bf16 projection by ``weight`` after attention copies weights beside the attention."""
+        return (self.STAGE and self.pdl and self._takes_weight(weight, torch.bfloat16)
+                and self.staged_chunks(*weight.shape) > 0)
+
     def _kernel(self, n: int, k: int, silu_mul: bool = False, norm: bool = False, residual: bool = False,
                 staged: bool = False) -> tuple[object, int, int]:
         """(the compiled variant for an n x k weight, its warps a CTA, its dynamic shared memory in bytes)."""
-        chunks = self.staged_chunks(n, k) if staged and self.STAGE and self.pdl else 0
+        chunks = self.staged_chunks(n, k) if staged and self.STAGE and self.pdl else 0  # (``takes`` held)
         warps = self.STAGE_WARPS if chunks else self.warps_for(n)
         key = (warps, k, silu_mul, norm, residual, chunks)
         if key not in self._kernels:
@@ -127,20 +133,23 @@ class CudaGemv:
                 kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), "gemv_bf16", nvcc_options=options)
                 shared = chunks * warps * unroll * 32 * 16
                 if shared:  # above 48 KB of dynamic shared memory a kernel must opt in
-                    torch.cuda._utils._check_cuda(
-                        self._libcuda.cuFuncSetAttribute(kernel.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared))
-                    prefer_shared_memory(kernel.func)
+                    for attr, value in ((_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
+                                        (_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):  # L1 all shared memory
+                        torch.cuda._utils._check_cuda(self._libcuda.cuFuncSetAttribute(kernel.func, attr, value))
             self._kernels[key] = kernel, warps, shared
         return self._kernels[key]
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
         """One contiguous bf16 row against a contiguous bf16 weight of rows a multiple of 256 values that fit
         the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's columns)."""
+        return (x.dim() == 2 and x.shape == (1, weight.shape[1] * (2 if silu_mul else 1)) and x.is_contiguous()
+                and x.data_ptr() % 16 == 0 and self._takes_weight(weight, x.dtype))
+
+    @staticmethod
+    def _takes_weight(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
         k = weight.shape[1]
-        return (x.dim() == 2 and x.shape == (1, k * (2 if silu_mul else 1)) and x.dtype == weight.dtype == torch.bfloat16
-                and x.is_contiguous()
-                and weight.is_contiguous() and k % 256 == 0 and k * 2 <= 48 * 1024
-                and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+        return (x_dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous() and k % 256 == 0
+                and k * 2 <= 48 * 1024 and weight.data_ptr() % 16 == 0)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
                  staged: bool = False) -> torch.Tensor:
@@ -179,14 +188,6 @@ class CudaGemv:
         config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, torch.cuda.current_stream().cuda_stream,
                                ctypes.pointer(self._attr), int(self.pdl))
         torch.cuda._utils._check_cuda(self._libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None))
-
-
-def prefer_shared_memory(function: int | ctypes.c_void_p, percent: int = 100) -> None:
-    """Ask the driver to carve ``percent`` of a kernel's L1 into shared memory (-1: the driver's choice), so
-    that a staged projection's CTA (``CudaGemv.STAGE``) fits beside that kernel's on a multiprocessor."""
-    torch.cuda._utils._check_cuda(torch.cuda._utils._get_gpu_runtime_library().cuFuncSetAttribute(
-        function if isinstance(function, ctypes.c_void_p) else ctypes.c_void_p(function),
-        _PREFERRED_SHARED_MEMORY_CARVEOUT, percent))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: CudaGemv | None,

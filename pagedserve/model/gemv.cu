@@ -16,8 +16,8 @@
 // projection thus overlaps the tail of the previous one instead of starting after it.
 // STAGED: before the wait, each warp also copies its first STAGED chunks (a chunk: one step's UNROLL loads
 // of 32 lanes) into shared memory with cp.async, which holds no registers. Meant for the projection after
-// the attention kernel: attention reads little and leaves room on the SMs, so o_proj's CTAs sit beside it
-// and most of o_proj's weights arrive while attention runs. Each lane reads back only what it copied.
+// the attention kernel, whose CTAs leave room on the SMs and whose reads are few: o_proj's CTAs sit beside
+// it and most of o_proj's weights arrive while attention runs. Each lane reads back only what it copied.
 // No headers: bf16 travels as its bits, so NVRTC needs no CUDA include directory.
 typedef unsigned short bf16_t;
 typedef unsigned int uint32_t;

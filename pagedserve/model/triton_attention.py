@@ -25,7 +25,6 @@ import triton.language as tl
 
 from pagedserve.model.attention import AttentionMetadata, to_device
 from pagedserve.model.cuda_decode import CudaFp8Decode
-from pagedserve.model.cuda_gemv import prefer_shared_memory
 from pagedserve.model.fused import norm_rope, qkv_rope_store
 
 
@@ -42,6 +41,23 @@ def _e4m3_to_f16(x):
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _prefetch_first_tile(K, table, kv_end, seg, stride_kvkv, stride_kvb, stride_kvs, HEAD_DIM: tl.constexpr,
+                         TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, LINES: tl.constexpr):
+    """Pulls the K and V lines of segment ``seg``'s first key tile into L2 (GPU only: PTX prefetch), so the
+    attention's first reads after a dependent launch's wait find them there."""
+    per_seg = tl.cdiv(tl.cdiv(kv_end, TILE), NUM_SEGMENTS)
+    kpos = seg * per_seg * TILE + tl.arange(0, TILE)
+    kmask = kpos < kv_end
+    blk = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+    rows = K + blk * stride_kvb + (kpos % PAGE) * stride_kvs
+    lines = rows[:, None] + (tl.arange(0, LINES) * (HEAD_DIM // LINES))[None, :]
+    lines = tl.where(kmask[:, None], lines, K)  # keys past the end: the first line, harmlessly
+    for kv in tl.static_range(2):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines + kv * stride_kvkv],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -195,6 +211,7 @@ def _fused_decode(
     G: tl.constexpr, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     FP16_DOTS: tl.constexpr, V_CVT_ASM: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):
     """A decode-only step's attention as one kernel a layer instead of three (qkv_rope_store, the
     attention, the merge): at small batches the launches, not the bytes, were the cost.
@@ -227,6 +244,10 @@ def _fused_decode(
         qw1 = cos
         qw2 = cos
     if PDL:
+        if PREFETCH_LINES:  # the first key tile pulled into L2 while the projection finishes
+            _prefetch_first_tile(KV + kvh * stride_kvh, block_tables + row * stride_bt, tl.maximum(seq_len - 1, 0),
+                                 seg, stride_kvkv, stride_kvb, stride_kvs, HEAD_DIM, TILE, PAGE, NUM_SEGMENTS,
+                                 PREFETCH_LINES)
         tl.extra.cuda.gdc_wait()  # the q/k/v projection's output is complete and visible
         tl.extra.cuda.gdc_launch_dependents()  # it reads this kernel's output only after its own wait
     g = tl.arange(0, BLOCK_M)
@@ -327,8 +348,6 @@ class TritonAttentionBackend:
     CUDA_FP8_DECODE = True  # e4m3 decodes not split: the CUDA kernel of cuda_decode.py where it applies
     FUSED_DECODE = True  # decode-only steps in one kernel (_fused_decode); off only to measure what it saves
     DECODE_PDL = True  # one sequence's fused decode as a programmatic dependent (sm_90+); off only to measure
-    # ... preferring shared memory to L1, so o_proj's staged CTAs fit beside it; off only to measure
-    DECODE_CARVEOUT = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132, has_pdl: bool = False):
         self.G = num_heads // num_kv_heads
@@ -341,7 +360,6 @@ class TritonAttentionBackend:
         self.prefill_block_q = max(1, self.PREFILL_ROWS // self.G)
         self._cuda_decode: dict[int, CudaFp8Decode | None] = {}  # by block size, built at the first launch
         self._counts: dict[torch.device, torch.Tensor] = {}  # zeros between kernels: each merge resets its own
-        self._carved: set[int] = set()  # fused decode kernels given the shared-memory carveout
 
     @staticmethod
     def pdl_supported(device: torch.device) -> bool:
@@ -452,7 +470,11 @@ class TritonAttentionBackend:
         # cuBLAS projection (larger batches) an early launch only holds SM resources while it runs
         pdl = self.DECODE_PDL and self.has_pdl and qkv.shape[0] == 1
         cos, sin = layer.rotary.cos, layer.rotary.sin
-        kernel = _fused_decode[(launch.tile_seq.shape[0], self.num_kv_heads, segs)](
+        # o_proj's weights copied beside this kernel (CudaGemv.STAGE) load HBM while it runs: its first key
+        # tile goes to L2 before the wait (without the copy, that prefetch only lengthens the kernel)
+        o_proj = layer.o_proj
+        prefetch = pdl and o_proj.gemv is not None and o_proj.gemv.stages(o_proj.weight)
+        _fused_decode[(launch.tile_seq.shape[0], self.num_kv_heads, segs)](
             qkv, positions, cos, sin, cos if qw is None else qw, cos if kw is None else kw, meta.slot_mapping,
             kv_cache, out, st.part_acc if split else out, st.part_ml if split else out, st.counts if split else out,
             meta.block_tables, meta.seq_lens, layer.scale, eps,
@@ -461,11 +483,9 @@ class TritonAttentionBackend:
             G=self.G, G_POW2=self.g_pow2, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             NUM_Q=self.num_heads, NUM_KV=self.num_kv_heads, TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs,
             FP16_DOTS=fp8, V_CVT_ASM=v_asm, QK_NORM=qw is not None, PDL=pdl,
+            PREFETCH_LINES=max(1, self.head_dim * kv_cache.element_size() // 128) if prefetch else 0,
             num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
         )
-        if pdl and self.DECODE_CARVEOUT and kernel.function not in self._carved:  # from the next launch on
-            prefer_shared_memory(kernel.function)
-            self._carved.add(kernel.function)
         return out
 
     def attend(self, q, kv_cache, meta, scale):
