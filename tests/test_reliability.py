@@ -273,9 +273,10 @@ def test_a_dead_engine_fails_everything_and_stops_the_server_with_status_1():
 
 
 def test_the_shutdown_deadline_ends_streams_with_an_error_frame_and_exit_status_1():
-    with serve_process(*ENGINE, "--shutdown-timeout", "2") as (proc, url):
+    # 2,000 tokens take the tiny model seconds on a CPU: far past a half-second deadline
+    with serve_process(*ENGINE, "--max-model-len", "2048", "--shutdown-timeout", "0.5") as (proc, url):
         with httpx.Client(timeout=60) as http:
-            with http.stream("POST", f"{url}{CMPL}", json={"prompt": "Hello", "max_tokens": 1000, "stream": True,
+            with http.stream("POST", f"{url}{CMPL}", json={"prompt": "Hello", "max_tokens": 2000, "stream": True,
                                                             "ignore_eos": True}) as resp:
                 it = resp.iter_lines()
                 next(it)
