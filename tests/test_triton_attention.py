@@ -12,8 +12,9 @@ triton = pytest.importorskip("triton")
 
 from pagedserve.config import ModelConfig  # noqa: E402
 from pagedserve.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from pagedserve.model.cuda_gemv import CudaGemv  # noqa: E402
 from pagedserve.model.decoder import Attention  # noqa: E402
-from pagedserve.model.layers import RotaryEmbedding  # noqa: E402
+from pagedserve.model.layers import RotaryEmbedding, use_gemv  # noqa: E402
 from pagedserve.model.triton_attention import TritonAttentionBackend  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,7 +46,9 @@ def make_batch(rng, query_lens, context_lens, block_size, num_blocks):
 
 
 def attention_pair(model_type, heads, kv_heads, head_dim, dtype, sms=132):
-    """The same attention layer (same weights) on the torch and the Triton backend."""
+    """The same attention layer (same weights) on the torch and the Triton backend; on a GPU the Triton
+    layer's one-row projections run on the CUDA GEMV, as in the engine (which decides how the fused decode
+    is launched)."""
     cfg = ModelConfig.from_hf_dict(dict(
         model_type=model_type, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=64,
@@ -54,6 +57,7 @@ def attention_pair(model_type, heads, kv_heads, head_dim, dtype, sms=132):
     ref = Attention(cfg, rotary, TorchAttentionBackend()).to(DEV, dtype)
     backend = TritonAttentionBackend(heads, kv_heads, head_dim, sms, TritonAttentionBackend.pdl_supported(DEV))
     tri = Attention(cfg, rotary, backend).to(DEV, dtype)
+    use_gemv(tri, CudaGemv.build(DEV) if DEV.type == "cuda" else None)
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, p.shape[-1] ** -0.5 if p.ndim > 1 else 1.0)
@@ -323,3 +327,21 @@ def test_fused_decode_compiles_for_hopper_with_its_dependent_launch():
     assert found["pdl"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
     assert found["prefetch"] == ["prefetch.global.L2"] * 4 + found["pdl"]
     assert found["plain"] == []
+
+
+def test_the_fused_decode_is_a_dependent_only_after_the_one_row_gemv(monkeypatch):
+    """Launched early only where the q/k/v projection ran on the CUDA GEMV (which releases it): one bf16 row,
+    no bias, a device with programmatic dependent launch."""
+    _, tri = attention_pair("qwen3", 16, 2, 16, torch.bfloat16)  # 256 columns: a length the GEMV covers
+    backend, row = tri.backend, torch.zeros((1, 16 * 16 + 2 * 2 * 16), dtype=torch.bfloat16, device=DEV)
+    monkeypatch.setattr(backend, "has_pdl", True)
+    assert not backend.releases_early(tri, row)  # no GEMV: cuBLAS ran the projection
+    use_gemv(tri, CudaGemv(torch.device("cpu")))
+    assert backend.releases_early(tri, row)
+    assert not backend.releases_early(tri, torch.zeros((2, row.shape[1]), dtype=torch.bfloat16, device=DEV))
+    assert not backend.releases_early(tri, row.float())
+    tri.qkv_proj.bias = torch.nn.Parameter(torch.zeros(row.shape[1], dtype=torch.bfloat16))  # F.linear's
+    assert not backend.releases_early(tri, row)
+    tri.qkv_proj.bias = None
+    monkeypatch.setattr(backend, "has_pdl", False)
+    assert not backend.releases_early(tri, row)

@@ -114,7 +114,7 @@ class CudaGemv:
 
     def stages(self, weight: torch.Tensor) -> bool:
         """Whether a one-row bf16 projection by ``weight`` after attention copies weights beside the attention."""
-        return (self.STAGE and self.pdl and self._takes_weight(weight, torch.bfloat16)
+        return (self.STAGE and self.pdl and self.takes_weight(weight, torch.bfloat16)
                 and self.staged_chunks(*weight.shape) > 0)
 
     def _kernel(self, n: int, k: int, silu_mul: bool = False, norm: bool = False, residual: bool = False,
@@ -143,10 +143,11 @@ class CudaGemv:
         """One contiguous bf16 row against a contiguous bf16 weight of rows a multiple of 256 values that fit
         the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's columns)."""
         return (x.dim() == 2 and x.shape == (1, weight.shape[1] * (2 if silu_mul else 1)) and x.is_contiguous()
-                and x.data_ptr() % 16 == 0 and self._takes_weight(weight, x.dtype))
+                and x.data_ptr() % 16 == 0 and self.takes_weight(weight, x.dtype))
 
     @staticmethod
-    def _takes_weight(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
+    def takes_weight(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
+        """``takes`` for the weight alone, given one row of ``x_dtype`` laid out as the kernel needs."""
         k = weight.shape[1]
         return (x_dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous() and k % 256 == 0
                 and k * 2 <= 48 * 1024 and weight.data_ptr() % 16 == 0)

@@ -458,6 +458,14 @@ class TritonAttentionBackend:
                            kv_cache, self.num_heads, self.num_kv_heads, self.head_dim)
         return self.attend(q, kv_cache, meta, layer.scale)
 
+    def releases_early(self, layer, qkv: torch.Tensor) -> bool:
+        """Whether the fused decode launches as a programmatic dependent: where its q/k/v projection ran on the
+        one-row CUDA GEMV, which releases it early; after a cuBLAS projection (larger batches, a bias, other
+        dtypes) an early launch only holds SM resources while that projection runs."""
+        proj = layer.qkv_proj
+        return (self.DECODE_PDL and self.has_pdl and qkv.shape[0] == 1 and proj.gemv is not None
+                and proj.bias is None and proj.gemv.takes_weight(proj.weight, qkv.dtype))
+
     def _fused_decode(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st: TritonState) -> torch.Tensor:
         launch = st.decode
         segs = launch.num_segments
@@ -466,9 +474,7 @@ class TritonAttentionBackend:
         split = segs > 1
         fp8 = kv_cache.element_size() == 1
         tile, warps, stages, v_asm = self._shape(launch, st, fp8, kv_cache.is_cuda)
-        # one row: the q/k/v projection before is the one-row GEMV, which releases this kernel early; after a
-        # cuBLAS projection (larger batches) an early launch only holds SM resources while it runs
-        pdl = self.DECODE_PDL and self.has_pdl and qkv.shape[0] == 1
+        pdl = self.releases_early(layer, qkv)
         cos, sin = layer.rotary.cos, layer.rotary.sin
         # o_proj's weights copied beside this kernel (CudaGemv.STAGE) load HBM while it runs: its first key
         # tile goes to L2 before the wait (without the copy, that prefetch only lengthens the kernel)
