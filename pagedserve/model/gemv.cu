@@ -67,6 +67,9 @@ __device__ __forceinline__ uint4 stream_load(const uint4* p) {  // read once: ke
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
+__device__ __forceinline__ const uint4* chunk_at(const uint4* W, int row, int step, int lane) {  // u = 0's piece
+    return W + (long)row * PIECES + step * 32 * UNROLL + lane;
+}
 __device__ __forceinline__ void copy_async(uint4* dst, const uint4* src) {  // 16 bytes, global to shared
     unsigned int d;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
@@ -151,22 +154,17 @@ extern "C" __global__ void BOUNDS gemv_bf16(const uint4* __restrict__ W, const u
     for (; chunks < STAGED && lrow < N; ++chunks) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
-            copy_async(mine + (chunks * UNROLL + u) * 32,
-                       W + (long)lrow * PIECES + lstep * 32 * UNROLL + u * 32 + lane);
+            copy_async(mine + (chunks * UNROLL + u) * 32, chunk_at(W, lrow, lstep, lane) + u * 32);
         if (++lstep == STEPS) { lstep = 0; lrow += stride; }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
+#else
+    const int lrow = row, lstep = 0;
+#endif
     if (lrow < N) {
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            next[u] = stream_load(W + (long)lrow * PIECES + lstep * 32 * UNROLL + u * 32 + lane);
+        for (int u = 0; u < UNROLL; ++u) next[u] = stream_load(chunk_at(W, lrow, lstep, lane) + u * 32);
     }
-#else
-    if (row < N) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) next[u] = stream_load(W + (long)row * PIECES + u * 32 + lane);
-    }
-#endif
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's output (x) is complete
 #endif
@@ -188,6 +186,8 @@ extern "C" __global__ void BOUNDS gemv_bf16(const uint4* __restrict__ W, const u
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) cur[u] = mine[(chunk - 1) * UNROLL * 32 + u * 32];
         } else
+#else
+        const bool from_shared = false;
 #endif
         {
 #pragma unroll
@@ -196,14 +196,9 @@ extern "C" __global__ void BOUNDS gemv_bf16(const uint4* __restrict__ W, const u
         const int piece0 = step * 32 * UNROLL + lane;
         int nrow = row, nstep = step + 1;
         if (nstep == STEPS) { nstep = 0; nrow += stride; }
-#if STAGED
         if (nrow < N && !from_shared) {
-#else
-        if (nrow < N) {
-#endif
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
-                next[u] = stream_load(W + (long)nrow * PIECES + nstep * 32 * UNROLL + u * 32 + lane);
+            for (int u = 0; u < UNROLL; ++u) next[u] = stream_load(chunk_at(W, nrow, nstep, lane) + u * 32);
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) acc = dot8(cur[u], xs[piece0 + u * 32], acc);
