@@ -112,15 +112,18 @@ class CudaGemv:
         chunks = -(-n // (min(self.sms, -(-n // warps)) * warps)) * (k // 8 // (32 * unroll))
         return max(0, min(self.STAGE_BYTES // (warps * unroll * 32 * 16), chunks - 1))
 
+    def _chunks_to_stage(self, n: int, k: int) -> int:
+        """``staged_chunks`` where staging is on (``STAGE``, and PDL for the early start it fills), else 0."""
+        return self.staged_chunks(n, k) if self.STAGE and self.pdl else 0
+
     def stages(self, weight: torch.Tensor) -> bool:
         """Whether a one-row bf16 projection by ``weight`` after attention copies weights beside the attention."""
-        return (self.STAGE and self.pdl and self.takes_weight(weight, torch.bfloat16)
-                and self.staged_chunks(*weight.shape) > 0)
+        return self.takes_weight(weight, torch.bfloat16) and self._chunks_to_stage(*weight.shape) > 0
 
     def _kernel(self, n: int, k: int, silu_mul: bool = False, norm: bool = False, residual: bool = False,
                 staged: bool = False) -> tuple[object, int, int]:
         """(the compiled variant for an n x k weight, its warps a CTA, its dynamic shared memory in bytes)."""
-        chunks = self.staged_chunks(n, k) if staged and self.STAGE and self.pdl else 0  # (``takes`` held)
+        chunks = self._chunks_to_stage(n, k) if staged else 0  # (``takes`` held)
         warps = self.STAGE_WARPS if chunks else self.warps_for(n)
         key = (warps, k, silu_mul, norm, residual, chunks)
         if key not in self._kernels:
