@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -9,6 +10,7 @@ import numpy as np
 import openai
 import pytest
 
+from benchmarks.engine.latency import on_off
 from pagedserve.bench.datasets import (NO_TOKENIZER_VOCAB, custom_dataset, describe_recorded_lengths,
                                        lengths_dataset, random_dataset, read_recorded_lengths, replayed_lengths,
                                        sharegpt_dataset)
@@ -294,3 +296,10 @@ def test_offline_floors_price_each_term_by_hand():
     assert f["floor_peaks"] == [PEAK_FLOPS, PEAK_BYTES, "H100-80GB"]
     if not torch.cuda.is_available():
         assert gpu_peaks() == (989e12, 4.8e12, "H200-141GB (assumed)")
+
+
+def test_latency_on_off_settings_refuse_anything_else():
+    assert on_off("on,off,on") == [True, False, True] and on_off("off") == [False]
+    for bad in ("of", "on,", "yes", "on,Off"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated list of on and off"):
+            on_off(bad)

@@ -31,6 +31,14 @@ from pagedserve.model.layers import use_gemv
 WARP_CHOICES = CudaGemv.WARP_CHOICES  # the engine's, restored by settings without -fixed
 
 
+def on_off(value: str) -> list[bool]:
+    """A comma-separated list of on/off settings."""
+    words = value.split(",")
+    if not set(words) <= {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a comma-separated list of on and off")
+    return [w == "on" for w in words]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Qwen/Qwen3-8B")
@@ -44,12 +52,13 @@ def main() -> None:
                     "to measure one after another, decode graphs captured again for each")
     ap.add_argument("--decode-segments", default="",
                     help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")
-    ap.add_argument("--fused-decode", default="", help="comma-separated on/off: decode-only steps' attention in one "
-                    "kernel (on, the default) or as norm/rotary/store + attention + merge (off), crossed with the rest")
-    ap.add_argument("--decode-pdl", default="", help="comma-separated on/off: one sequence's fused decode launched "
+    ap.add_argument("--fused-decode", type=on_off, help="comma-separated on/off: decode-only steps' attention in "
+                    "one kernel (on, the default) or as norm/rotary/store + attention + merge (off), crossed with "
+                    "the rest")
+    ap.add_argument("--decode-pdl", type=on_off, help="comma-separated on/off: one sequence's fused decode launched "
                     "as a programmatic dependent of the q/k/v projection (on, the default on sm_90+) or plainly, "
                     "crossed with the rest")
-    ap.add_argument("--o-proj-staged", default="", help="comma-separated on/off: o_proj's weights copied into "
+    ap.add_argument("--o-proj-staged", type=on_off, help="comma-separated on/off: o_proj's weights copied into "
                     "shared memory while one sequence's attention runs, with that attention's first key tile "
                     "prefetched into L2 (on, the default on sm_90+), or neither (off); crossed with the rest")
     ap.add_argument("--profile", action="store_true", help="also print a kernel profile of bs=1 graph replays")
@@ -68,9 +77,7 @@ def main() -> None:
     first = None
     check = SamplingParams(temperature=0, max_tokens=min(64, ns.output_len), ignore_eos=True)
     segments = [int(n) for n in ns.decode_segments.split(",")] if ns.decode_segments else [None]
-    fused = [f == "on" for f in ns.fused_decode.split(",")] if ns.fused_decode else [None]
-    pdls = [f == "on" for f in ns.decode_pdl.split(",")] if ns.decode_pdl else [None]
-    stagings = ns.o_proj_staged.split(",") if ns.o_proj_staged else [None]
+    fused, pdls, stagings = ns.fused_decode or [None], ns.decode_pdl or [None], ns.o_proj_staged or [None]
     settings = list(itertools.product(gemvs, segments, fused, pdls, stagings))
     for gemv, segs, fuse, pdl, staged in settings:
         if any(v is not None for v in (gemv, segs, fuse, pdl, staged)):
@@ -85,7 +92,7 @@ def main() -> None:
 
 
 def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl: bool | None,
-              staged: str | None) -> None:
+              staged: bool | None) -> None:
     """Decode graphs captured again with one-row projections on ``gemv`` (a --gemv setting), decodes
     split over ``segs`` segments, the fused decode on or off and launched as a programmatic dependent or
     not, o_proj staged or not (None: as configured)."""
@@ -93,7 +100,7 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
         sys.exit("--gemv / --decode-segments / --fused-decode / --decode-pdl / --o-proj-staged: the runner has no "
                  "decode graphs to capture again")
     if staged is not None:
-        CudaGemv.STAGE = staged == "on"
+        CudaGemv.STAGE = staged
     if fuse is not None:
         runner.backend.FUSED_DECODE = fuse
     if pdl is not None:
@@ -113,7 +120,7 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
     print(f"\n-- one-row projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
           f"segments, fused decode {'as configured' if fuse is None else 'on' if fuse else 'off'}, its dependent "
           f"launch {'as configured' if pdl is None else 'on' if pdl else 'off'}, o_proj staged: "
-          f"{'as configured' if staged is None else staged}")
+          f"{'as configured' if staged is None else 'on' if staged else 'off'}")
 
 
 def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
