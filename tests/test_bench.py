@@ -291,8 +291,14 @@ def test_offline_floors_price_each_term_by_hand():
     assert f["floor_decode_kv_seconds"] == pytest.approx(7 * kv_bytes_per_token(m, torch.float8_e4m3fn) / PEAK_BYTES)
     assert f["floor_prompt_attention_seconds"] == pytest.approx(2 * m.num_layers * m.num_heads * m.head_dim * 4
                                                                 / PEAK_FLOPS)
-    terms = [v for k, v in f.items() if k not in ("floor_seconds", "floor_peaks")]
+    terms = [v for k, v in f.items() if k not in ("floor_seconds", "floor_peaks", "floor_overlapped_seconds")]
     assert f["floor_seconds"] == pytest.approx(sum(terms))
+    # overlapped: three weight reads and the K/V against every token's FLOPs and the prompt's attention
+    reads = 3 * weight_bytes(m, torch.bfloat16) / PEAK_BYTES + f["floor_decode_kv_seconds"]
+    computes = 2 * m.num_params() * (3 + heavy) / PEAK_FLOPS + f["floor_prompt_attention_seconds"]
+    assert f["floor_overlapped_seconds"] == pytest.approx(max(reads, computes))
+    assert reads > computes  # three weight reads outweigh one step just past the ridge
+    assert f["floor_overlapped_seconds"] < f["floor_seconds"]
     assert f["floor_peaks"] == [PEAK_FLOPS, PEAK_BYTES, "H100-80GB"]
     if not torch.cuda.is_available():
         assert gpu_peaks() == (989e12, 4.8e12, "H200-141GB (assumed)")
