@@ -309,3 +309,27 @@ def test_latency_on_off_settings_refuse_anything_else():
     for bad in ("of", "on,", "yes", "on,Off"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma-separated list of on and off"):
             on_off(bad)
+
+
+def test_overlap_benchmark_splits_a_mixed_step_into_batches_that_compute_the_same_rows():
+    """The overlap benchmark's decodes and prompts, run apart, give the rows of the one mixed batch: its
+    arms differ only in how the same work is launched."""
+    import torch
+
+    from benchmarks.kernels.overlap import MixedStep
+    from pagedserve.config import EngineArgs
+
+    args = EngineArgs(model="tiny", load_format="dummy", device="cpu", dtype="float32", block_size=8)
+    step = MixedStep(args, layers=2, decodes=3, context=5, prompt_tokens=7)
+    assert [b.meta.query_lens_cpu.tolist() for b in step.batches.values()] == [[1, 1, 1, 7], [1, 1, 1], [7]]
+    decodes = step.batches["decodes"].meta
+    assert decodes.query_start_loc.tolist() == [0, 1, 2, 3] and decodes.max_query_len == 1
+    assert (decodes.seq_lens >= 6).all() and (decodes.seq_lens <= 10).all()
+    prompts = step.batches["prompts"]
+    assert prompts.positions.tolist() == list(range(7)) and prompts.meta.query_start_loc.tolist() == [0, 7]
+    arms = step.arms()
+    assert "two streams" not in arms  # needs CUDA streams
+    one = arms["one batch"]()
+    assert one.shape == (10, 64) and torch.isfinite(one).all()
+    torch.testing.assert_close(arms["in series"](), one, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(arms["decodes"](), one[:3], rtol=1e-5, atol=1e-5)
