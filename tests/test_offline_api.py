@@ -282,6 +282,27 @@ def test_engine_start_freezes_its_heap_and_a_dropped_engine_frees_its_tensors():
     assert all(r() is None for r in refs)  # frozen, yet freed: nothing but cycles waits for the exit
 
 
+def test_a_running_requests_tokens_are_not_walked_by_the_garbage_collector(llm):
+    """The token ids the engine keeps a request (all of them in the core, the output's in the output
+    processor) are arrays, whose elements the collector never visits (a list's it visits one by one: with
+    hundreds of long requests alive, each full collection stalled the loop). The caller gets lists."""
+    import gc
+
+    engine = llm.engine
+    prompt = llm.get_tokenizer().encode("Hello world")
+    engine.add_request("walked", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        outputs = engine.step()
+    request, state = engine.core.scheduler.requests["walked"], engine.outputs.states["walked"]
+    assert len(request.all_token_ids) > len(prompt) and len(state.token_ids) > 0
+    for ids in (request.all_token_ids, state.token_ids):
+        assert gc.get_referents(ids) in ([], [type(ids)])  # at most its type, never the tokens
+    assert type(outputs[0].outputs[0].token_ids) is list
+    assert list(request.all_token_ids[len(prompt):len(prompt) + len(state.token_ids)]) == list(state.token_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                            "maximum": 9}},
           "required": ["ok", "n"], "additionalProperties": False}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,7 +183,7 @@ class _State:
     stream: object | None
     metrics: RequestMetrics
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: array = field(default_factory=lambda: array("q"))  # elements unseen by the garbage collector
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -313,7 +314,7 @@ class OutputProcessor:
         if st.stream is None or isinstance(st.stop_reason, str):
             return
         ids = st.token_ids[:-1] if st.silent_last else st.token_ids
-        full = self.tokenizer.decode(ids, skip_special_tokens=st.request.sampling_params.skip_special_tokens)
+        full = self.tokenizer.decode(ids.tolist(), skip_special_tokens=st.request.sampling_params.skip_special_tokens)
         if len(full) > len(st.text) and full.startswith(st.text):
             st.text = full
 
@@ -329,7 +330,8 @@ class OutputProcessor:
     def _output(self, st: _State, finished: bool, text_from: int = 0, text_to: int | None = None,
                 tokens_from: int = 0) -> RequestOutput:
         """The output from the given offsets on: everything (CUMULATIVE, FINAL_ONLY) or what is new (DELTA)."""
-        completion = CompletionOutput(0, st.text[text_from:text_to], st.token_ids[tokens_from:], st.cumulative_logprob,
+        completion = CompletionOutput(0, st.text[text_from:text_to], st.token_ids[tokens_from:].tolist(),
+                                      st.cumulative_logprob,
                                       None if st.logprobs is None else st.logprobs[tokens_from:],
                                       st.finish_reason, st.stop_reason)
         prompt_logprobs = st.prompt_logprobs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from pagedserve.engine.structured import Grammar
@@ -36,7 +37,11 @@ class Request:
 
     The engine schedules a step while the previous one still runs on the device, so a request's newest
     token may be sampled but not yet known on the host: ``num_pending_tokens`` counts those, and the
-    scheduler treats them as tokens (their values reach the model runner on the device)."""
+    scheduler treats them as tokens (their values reach the model runner on the device).
+
+    ``all_token_ids`` is an ``array`` of int64, not a list: the garbage collector visits a list's every
+    element at each full collection (with hundreds of long requests alive, tens of milliseconds of stalled
+    loop), an array's none."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -45,7 +50,7 @@ class Request:
     max_tokens: int                        # resolved: never beyond max_model_len
     arrival_time: float = field(default_factory=time.monotonic)
     grammar: Grammar | None = None         # structured output: the tokens allowed next
-    all_token_ids: list[int] = field(init=False)
+    all_token_ids: array = field(init=False)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
     num_prompt_scored: int = 0             # prompt_logprobs: positions whose next prompt token is scored
@@ -59,7 +64,7 @@ class Request:
     cache_salt: str | None = None          # prefix-cache blocks are shared only among requests of one salt
 
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = array("q", self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,7 +90,7 @@ class Request:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
+    def output_token_ids(self) -> array:
         return self.all_token_ids[len(self.prompt_token_ids):]
 
     def append_token(self, token_id: int) -> None:
