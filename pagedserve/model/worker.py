@@ -52,14 +52,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _freeze_startup_heap() -> None:
+_GC_YOUNG_THRESHOLD = 7000  # ten times Python's default
+
+
+def freeze_startup_heap() -> None:
     """Take what start-up made (imported modules: torch, Triton, the tokenizers; the model; the compiled
     kernels) out of the garbage collector's view, or every full collection walks it again while a step
     waits. Frozen objects are still freed when their last reference goes (an engine that is dropped frees
     its weights and cache); only reference cycles among them wait for the exit, where they are handed back
-    so that the interpreter's last collection frees them (nanobind, under Triton, reports what it does not)."""
+    so that the interpreter's last collection frees them (nanobind, under Triton, reports what it does not).
+
+    Young collections then wait for ``_GC_YOUNG_THRESHOLD`` net new containers, not Python's 700: a step's
+    objects die with it, so what crosses the threshold is mostly the live requests, and each collection it
+    starts leads, every hundredth or so, to a full one that walks them all while the device waits."""
     gc.collect()
     gc.freeze()
+    young, *older = gc.get_threshold()
+    gc.set_threshold(max(young, _GC_YOUNG_THRESHOLD), *older)
     atexit.unregister(gc.unfreeze)  # once, however many engines start
     atexit.register(gc.unfreeze)
 
@@ -100,7 +109,7 @@ class Worker:
         self.runner.warm_up()
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        _freeze_startup_heap()
+        freeze_startup_heap()
 
     def _start_group(self, rank: int, port: int | None) -> list:
         """With tensor parallelism, rank 0 starts one process per other rank; all join one group."""

@@ -7,6 +7,7 @@ import time
 
 from pagedserve.memory import MemoryBudget
 from pagedserve.model.step import SamplingInputs, StepInputs
+from pagedserve.model.worker import freeze_startup_heap
 from pagedserve.sim.cost import CostModel, graph_caps, step_features, step_kind
 
 
@@ -24,9 +25,10 @@ class _Samples:
 
 class SimulatedWorker:
     def __init__(self, config, budget: MemoryBudget, cost: CostModel, paced: bool = False):
-        """``paced``: each step also takes its priced time on the wall clock, one after another (a real
-        server around the worker then runs as it would on that device); else the caller takes the steps'
-        seconds from ``launched`` and keeps its own clock."""
+        """``paced``: each step also takes its priced time on the wall clock, one after another, and start-up
+        ends as the real worker's does (its heap frozen for the garbage collector), so a real server around
+        the worker runs as it would on that device; else the caller takes the steps' seconds from
+        ``launched`` and keeps its own clock."""
         self.budget, self.cost, self.paced = budget, cost, paced
         self.caps = graph_caps(config)
         self.launched: list[float] = []  # seconds of each step launched since the caller last took them
@@ -34,6 +36,8 @@ class SimulatedWorker:
         self._free_at = 0.0              # paced: when the step launched last ends
         # what the device would hold: the budget (weights, activations, the preallocated cache)
         self._memory = budget.weights + budget.activation_peak + budget.non_torch + budget.kv_cache_bytes
+        if paced:
+            freeze_startup_heap()
 
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> _Samples | None:
         # the host's work for a step overlaps the device's (one step in flight): the longer of the two counts
