@@ -29,6 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from benchmarks.kernels.harness import captured, graph_ms
 from pagedserve.config import EngineArgs
 from pagedserve.model.attention import AttentionMetadata
 from pagedserve.model.loader import build_model
@@ -81,7 +82,6 @@ class MixedStep:
         self.caches = [torch.randn(shape, generator=gen, device=dev, dtype=config.dtype).to(config.kv_dtype)
                        for _ in range(layers)]
         ids = torch.from_numpy(rng.integers(0, m.vocab_size, len(positions))).to(dev)
-        self.decodes, self.prompt_tokens = decodes, prompt_tokens
         self.batches: dict[str, Batch] = {"one batch": Batch(ids, positions, meta)}
         for name, first, last in (("decodes", 0, decodes), ("prompts", decodes, len(query_lens))):
             if last > first:
@@ -121,8 +121,6 @@ class MixedStep:
 def time_arms(step: MixedStep, reps: int = 20) -> dict[str, float]:
     """Milliseconds of one replay of each arm's graph, and the largest difference of the two-stream rows
     from the one-batch rows (the same sums in other tile orders)."""
-    from benchmarks.kernels.harness import captured, graph_ms
-
     out: dict[str, float] = {}
     results = {}
     for name, fn in step.arms().items():
