@@ -318,11 +318,13 @@ def test_behind_a_proxy_prefix_and_sagemaker_routes(capsys):
         assert httpx.get(f"{url}/health").status_code == 200  # still a public probe under the prefix
         _error(httpx.get(f"{url}/v1/models"), 401)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
-        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 2
         assert httpx.get(f"{url}/openapi.json", headers=key).json()["servers"] == [{"url": "/llm"}]
         assert httpx.get(f"{url}/ping").status_code == 200 and httpx.post(f"{url}/ping").status_code == 200
         _error(httpx.post(f"{url}/invocations", json={"prompt": "Hi"}), 401)
-        done = httpx.post(f"{url}/invocations", headers=key, json={"prompt": "Hi", "max_tokens": 3}).json()
+        done = httpx.post(f"{url}/invocations", headers=key,
+                          json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}).json()
         assert done["object"] == "text_completion" and done["usage"]["completion_tokens"] == 3
         chat = httpx.post(f"{url}/invocations", headers=key,
                           json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).json()
