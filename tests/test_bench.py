@@ -311,6 +311,15 @@ def test_latency_on_off_settings_refuse_anything_else():
             on_off(bad)
 
 
+def test_overlap_benchmark_sizes_refuse_anything_but_positive_integers():
+    from benchmarks.kernels.overlap import positives
+
+    assert positives("256,512,1024") == [256, 512, 1024] and positives("7") == [7]
+    for bad in ("0", "256,", "-1", "x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a positive integer"):
+            positives(bad)
+
+
 def test_overlap_benchmark_splits_a_mixed_step_into_batches_that_compute_the_same_rows():
     """The overlap benchmark's decodes and prompts, run apart, give the rows of the one mixed batch: its
     arms differ only in how the same work is launched."""

@@ -133,19 +133,30 @@ def time_arms(step: MixedStep, reps: int = 20) -> dict[str, float]:
     return out
 
 
+def positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive integer")
+    return int(value)
+
+
+def positives(value: str) -> list[int]:
+    """A comma-separated list of positive integers."""
+    return [positive(v) for v in value.split(",")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="Qwen/Qwen3-8B")
-    p.add_argument("--decodes", type=int, default=332)
-    p.add_argument("--context", type=int, default=1024, help="decode contexts are drawn from [this, twice this)")
-    p.add_argument("--prompt-tokens", default="256,512,1024", help="comma-separated prompt tokens a step")
+    p.add_argument("--decodes", type=positive, default=332)
+    p.add_argument("--context", type=positive, default=1024, help="decode contexts are drawn from [this, twice this)")
+    p.add_argument("--prompt-tokens", type=positives, default=[256, 512, 1024], help="comma-separated prompt tokens a step")
     p.add_argument("--kv-cache-dtype", default="auto,fp8", help="comma-separated")
-    p.add_argument("--layers", type=int, default=4, help="layers run (each its own weights and cache)")
+    p.add_argument("--layers", type=positive, default=4, help="layers run (each its own weights and cache)")
     ns = p.parse_args()
     print(f"{torch.cuda.get_device_name()}; {ns.model}, first {ns.layers} layers; {ns.decodes} decodes at contexts "
           f"{ns.context}..{2 * ns.context - 1}; times scaled to every layer")
     for kv in ns.kv_cache_dtype.split(","):
-        for tokens in map(int, ns.prompt_tokens.split(",")):
+        for tokens in ns.prompt_tokens:
             args = EngineArgs(model=ns.model, load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv, device="cuda")
             step = MixedStep(args, ns.layers, ns.decodes, ns.context, tokens)
             ms = time_arms(step)
