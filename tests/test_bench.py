@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from benchmarks.engine.latency import on_off
+from benchmarks.args import on_off, positives
 from pagedserve.bench.datasets import (NO_TOKENIZER_VOCAB, custom_dataset, describe_recorded_lengths,
                                        lengths_dataset, random_dataset, read_recorded_lengths, replayed_lengths,
                                        sharegpt_dataset)
@@ -312,8 +312,6 @@ def test_latency_on_off_settings_refuse_anything_else():
 
 
 def test_overlap_benchmark_sizes_refuse_anything_but_positive_integers():
-    from benchmarks.kernels.overlap import positives
-
     assert positives("256,512,1024") == [256, 512, 1024] and positives("7") == [7]
     for bad in ("0", "256,", "-1", "x", "1.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a positive integer"):

@@ -21,22 +21,15 @@ import numpy as np
 import torch
 
 
-from pagedserve import LLM, SamplingParams
+from benchmarks.args import on_off
 from benchmarks.kernels.harness import graph_ms
+from pagedserve import LLM, SamplingParams
 from pagedserve.bench.latency import run_latency
 from pagedserve.memory import GiB, weight_bytes
 from pagedserve.model.cuda_gemv import CudaGemv
 from pagedserve.model.layers import use_gemv
 
 WARP_CHOICES = CudaGemv.WARP_CHOICES  # the engine's, restored by settings without -fixed
-
-
-def on_off(value: str) -> list[bool]:
-    """A comma-separated list of on/off settings."""
-    words = value.split(",")
-    if not set(words) <= {"on", "off"}:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a comma-separated list of on and off")
-    return [w == "on" for w in words]
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from benchmarks.args import positive, positives
 from benchmarks.kernels.harness import captured, graph_ms
 from pagedserve.config import EngineArgs
 from pagedserve.model.attention import AttentionMetadata
@@ -131,17 +132,6 @@ def time_arms(step: MixedStep, reps: int = 20) -> dict[str, float]:
     ref = results["one batch"]
     out["max_rel_diff"] = float((results["two streams"] - ref).abs().max() / ref.abs().max())
     return out
-
-
-def positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive integer")
-    return int(value)
-
-
-def positives(value: str) -> list[int]:
-    """A comma-separated list of positive integers."""
-    return [positive(v) for v in value.split(",")]
 
 
 def main() -> None:
