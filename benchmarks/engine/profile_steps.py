@@ -23,9 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offline_throughput import add_workload_args, workload
+from offline_throughput import add_workload_args, make_llm, workload
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import SamplingParams
 from pagedserve.outputs import RequestOutputKind
 
 
@@ -37,9 +37,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ns = ap.parse_args()
     prompts, outs = workload(ns)
-    llm = LLM(ns.model, load_format="dummy", dtype="bfloat16", max_model_len=ns.max_model_len,
-              gpu_memory_utilization=ns.gpu_memory_utilization, max_num_seqs=ns.max_num_seqs,
-              max_num_batched_tokens=ns.max_num_batched_tokens, kv_cache_dtype=ns.kv_cache_dtype)
+    llm = make_llm(ns.model, ns)
     engine = llm.engine
     for i, (p, o) in enumerate(zip(prompts, outs)):
         engine.add_request(str(i), p, SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True),
