@@ -1,7 +1,7 @@
 """Correctness on the GPU: the Triton attention path (fused q/k norm + rotary + K/V store, paged
 attention) against the torch reference on real shapes in bf16, the CUDA GEMV, the Gumbel sampler's draws
-against the softmax, the engine's greedy tokens with both backends (also with penalties and logit biases,
-and with prompt chunks on a second stream) and its prompt logprobs.  python -m benchmarks.gpu_check"""
+against the softmax, the engine's greedy tokens with both backends (also with penalties and logit biases)
+and its prompt logprobs.  python -m benchmarks.gpu_check"""
 
 from __future__ import annotations
 
@@ -108,27 +108,6 @@ def main() -> None:
     TritonAttentionBackend.CUDA_FP8_DECODE = default
     for label in ("CUDA decode", "Triton decode"):
         agreement(f"bf16 + fp8 KV, {label} vs torch", (fp8["torch"], fp8[label]), params)
-    check_side_stream(params)
-
-
-def check_side_stream(params: SamplingParams) -> None:
-    """fp32 greedy tokens with each mixed step's prompt chunks on a second stream beside its decodes,
-    against one batch; 64 running, so the decodes' attention is not split and the steps qualify."""
-    prompts = [list(range(10 + i, 40 + 9 * (i % 16))) for i in range(96)]
-    runs, side_steps = [], []
-    for side in (False, True):
-        llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", dtype="float32", max_model_len=1024,
-                  gpu_memory_utilization=0.3, max_num_batched_tokens=256, max_num_seqs=64)
-        runner = llm.engine.core.worker.runner
-        if side:
-            runner.side_stream = torch.cuda.Stream()
-            split, counted = runner._side_by_side, []
-            runner._side_by_side = lambda *a: counted.append(1) or split(*a)
-            side_steps = counted
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        del llm, runner
-        torch.cuda.empty_cache()
-    agreement(f"fp32, prompt chunks on a second stream ({len(side_steps)} steps) vs one batch", tuple(runs), params)
 
 
 def agreement(label: str, runs: tuple[list, list], params: SamplingParams) -> None:

@@ -304,41 +304,6 @@ def test_a_running_requests_tokens_are_not_walked_by_the_garbage_collector(llm):
         engine.step()
 
 
-def test_a_mixed_steps_decodes_and_prompt_chunks_computed_apart_give_its_logits(monkeypatch):
-    """A step's decodes and its prompt chunks can run as two batches (on a GPU, side by side on two
-    streams): each computes its own samples' logits, and put back in the step's sample order they are the
-    step's. An urgent prompt admitted while others decode comes first in the step (priority policy), so
-    the order has to be restored."""
-    llm = LLM("tiny", kv_cache_memory="4MiB", max_model_len=256, max_num_batched_tokens=32,
-              scheduling_policy="priority")
-    engine, worker = llm.engine, llm.engine.core.worker
-    runner, execute = worker.runner, worker.execute
-    orders = []
-
-    def compare_then_execute(inp, sampling):
-        parts = inp.split_decodes()
-        if parts is not None:
-            decodes, rest, order = parts
-            assert len(decodes.ids) == len(decodes.query_lens) and (rest.query_lens > 1).any()
-            whole = runner.forward(inp)[0]
-            apart = [runner.forward(decodes)[0], runner.forward(rest)[0]]
-            apart = torch.cat([a for a in apart if a is not None])
-            torch.testing.assert_close(apart if order is None else apart[order], whole, rtol=1e-4, atol=1e-4)
-            orders.append(order)
-        return execute(inp, sampling)
-
-    monkeypatch.setattr(worker, "execute", compare_then_execute)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for i in range(3):
-        engine.add_request(f"steady{i}", list(range(5 + i, 12 + i)), params, priority=1)
-    for _ in range(3):
-        engine.step()
-    engine.add_request("urgent", list(range(100, 160)), params, priority=0)  # two chunks beside the decodes
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert len(orders) >= 2 and any(o is not None for o in orders)
-
-
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                            "maximum": 9}},
           "required": ["ok", "n"], "additionalProperties": False}

@@ -105,13 +105,10 @@ def floors(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, ins: l
 
 def make_llm(model: str, ns) -> LLM:
     """The engine of the workload flags (random weights unless ``model`` is a checkpoint folder)."""
-    llm = LLM(model, load_format="auto" if Path(model).is_dir() else "dummy", dtype="bfloat16",
-              max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
-              max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-              max_mixed_prefill_tokens=ns.max_mixed_prefill_tokens, kv_cache_dtype=ns.kv_cache_dtype)
-    if ns.two_streams:
-        llm.engine.core.worker.runner.side_stream = torch.cuda.Stream()
-    return llm
+    return LLM(model, load_format="auto" if Path(model).is_dir() else "dummy", dtype="bfloat16",
+               max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
+               max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+               max_mixed_prefill_tokens=ns.max_mixed_prefill_tokens, kv_cache_dtype=ns.kv_cache_dtype)
 
 
 def run_ours(model, prompts, outs, ns) -> dict:
@@ -185,9 +182,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--max-mixed-prefill-tokens", type=int, default=0)
-    ap.add_argument("--two-streams", action="store_true",
-                    help="run a step's prompt chunks on a second CUDA stream beside its decodes")
+    ap.add_argument("--max-mixed-prefill-tokens", type=int, default=0,
+                    help="hold a step's prompt tokens to this many while requests decode (0: no bound)")
 
 
 def main() -> None:

@@ -93,10 +93,7 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
         # steps with prompt tokens, by padded token count: (replay, hidden states, metadata)
         self._prompt_graphs: dict[int, tuple[Callable[[], None], torch.Tensor, AttentionMetadata]] = {}
-        self._decode_pool = None
-        self._prompt_pool = None  # apart from the decode graphs' pool: the two may run side by side
-        # where set, a mixed step's prompt chunks run on this stream beside its decodes (``_side_by_side``)
-        self.side_stream: torch.cuda.Stream | None = None
+        self._graph_pool = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The cache, plus one block beyond the pool's: padded rows of a CUDA-graph batch write there."""
@@ -215,9 +212,9 @@ class ModelRunner:
 
             run()  # warm-up: compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._decode_pool):
+            with torch.cuda.graph(graph, pool=self._graph_pool):
                 logits = run()
-            self._decode_pool = graph.pool()
+            self._graph_pool = graph.pool()
             self._graphs[bs] = (graph, logits, meta)
         torch.cuda.synchronize(dev)
         used = free0 - torch.cuda.mem_get_info(dev)[0]
@@ -274,9 +271,9 @@ class ModelRunner:
             replay = lambda run=run, hidden=hidden: hidden.copy_(run())  # noqa: E731
             if graphs:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._prompt_pool):
+                with torch.cuda.graph(graph, pool=self._graph_pool):
                     hidden = run()
-                self._prompt_pool, replay = graph.pool(), graph.replay
+                self._graph_pool, replay = graph.pool(), graph.replay
             self._prompt_graphs[size] = (replay, hidden, meta)
         if graphs:
             torch.cuda.synchronize(dev)
@@ -338,22 +335,10 @@ class ModelRunner:
     def forward(self, inp: StepInputs) -> tuple[torch.Tensor | None, SamplerOutput | None]:
         """Logits of the sampled rows (None if no row samples), and the scores of the prompt tokens it
         scores (prompt_logprobs). Every rank runs it on the same inputs."""
-        if self.side_stream is not None and not inp.decode_only:
-            parts = inp.split_decodes()
-            if parts is not None and self._decode_graph_unsplit(len(parts[0].query_lens)):
-                return self._side_by_side(*parts), None
         fills = self._fills(inp)
         logits = self._replay_decode(inp, fills)
         if logits is not None:
             return logits, None
-        hidden = self._hidden(inp, fills)
-        scores = self._score_prompt(hidden, inp) if len(inp.score_rows) else None
-        if not len(inp.sample_rows):
-            return None, scores
-        return self.model.compute_logits(hidden[self._to_device(inp.sample_rows)]), scores
-
-    def _hidden(self, inp: StepInputs, fills: torch.Tensor | None) -> torch.Tensor:
-        """Hidden states of a step with prompt tokens: through a captured graph if one fits, else eagerly."""
         hidden = self._replay_prompt(inp, fills) if self._prompt_graphs else None
         if hidden is None:
             meta = self._metadata(self._to_device(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
@@ -361,28 +346,10 @@ class ModelRunner:
             if fills is not None:
                 ids = ids.index_copy(0, self._to_device(inp.fill_rows), fills)
             hidden = self.model(ids, self._to_device(inp.positions), self.kv_caches, meta)
-        return hidden
-
-    def _decode_graph_unsplit(self, n: int) -> bool:
-        """Whether ``n`` decodes replay a graph whose attention is not split into segments: split attention
-        counts segments in a buffer every state shares, so only unsplit decodes may run beside other work."""
-        bs = min((b for b in self._graphs if b >= n), default=None)
-        return bs is not None and self.backend.decode_segments(bs, self.config.max_model_len) == 1
-
-    def _side_by_side(self, decodes: StepInputs, prompts: StepInputs, order: np.ndarray | None) -> torch.Tensor:
-        """Logits of a mixed step's samples, its decodes' graph on this stream and its prompt chunks on the
-        side stream: the decodes' attention reads the cache while the chunks' projections use the tensor
-        cores. Each runs in its own graph memory pool, so neither overwrites the other's activations."""
-        fills_d, fills_p = self._fills(decodes), self._fills(prompts)
-        main, side = torch.cuda.current_stream(self.device), self.side_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            hidden = self._hidden(prompts, fills_p)
-            rest = self.model.compute_logits(hidden[self._to_device(prompts.sample_rows)])
-        logits = self._replay_decode(decodes, fills_d)
-        main.wait_stream(side)
-        logits = torch.cat([logits, rest])
-        return logits if order is None else logits[self._to_device(order)]
+        scores = self._score_prompt(hidden, inp) if len(inp.score_rows) else None
+        if not len(inp.sample_rows):
+            return None, scores
+        return self.model.compute_logits(hidden[self._to_device(inp.sample_rows)]), scores
 
     def _score_prompt(self, hidden: torch.Tensor, inp: StepInputs) -> SamplerOutput:
         """Log-probabilities of prompt tokens from the positions before them, a slice of rows at a time:

@@ -31,34 +31,6 @@ class StepInputs:
     def decode_only(self) -> bool:
         return bool((self.query_lens == 1).all()) and len(self.sample_rows) == len(self.query_lens)
 
-    def split_decodes(self) -> tuple[StepInputs, StepInputs, np.ndarray | None] | None:
-        """The step as two steps that can run side by side: its decodes (one token each, sampled) and the
-        rest (prompt chunks); and the order that puts the logits of the decodes' samples followed by the
-        rest's back in this step's sample order (None: already in it). None if either part is empty or
-        the step scores prompt tokens."""
-        if len(self.score_rows):
-            return None
-        ends = np.cumsum(self.query_lens) - 1
-        sampled = np.zeros(len(self.ids), dtype=bool)
-        sampled[self.sample_rows] = True
-        decode = (self.query_lens == 1) & sampled[ends]
-        if decode.all() or not decode.any():
-            return None
-        in_decodes = np.repeat(decode, self.query_lens)
-        # each token's index within its own part
-        index = np.where(in_decodes, np.cumsum(in_decodes) - 1, np.cumsum(~in_decodes) - 1)
-
-        def part(rows: np.ndarray, tokens: np.ndarray) -> StepInputs:
-            fills = tokens[self.fill_rows]
-            return StepInputs(self.ids[tokens], self.positions[tokens], self.slots[tokens], self.query_lens[rows],
-                              self.seq_lens[rows], self.tables[rows], index[self.sample_rows[tokens[self.sample_rows]]],
-                              index[self.fill_rows[fills]], self.fill_from[fills])
-
-        decodes, rest = part(decode, in_decodes), part(~decode, ~in_decodes)
-        first = in_decodes[self.sample_rows]  # the step's samples that come from the decodes
-        order = np.where(first, np.cumsum(first) - 1, np.cumsum(~first) - 1 + len(decodes.query_lens))
-        return decodes, rest, None if (np.diff(order) == 1).all() else order
-
 
 @dataclass
 class PenaltyInputs:
