@@ -212,6 +212,37 @@ def test_padded_prompt_steps_match_the_torch_backend(monkeypatch):
     assert (False, True) in padded or (False, False) in padded  # over 32 tokens: kernel by kernel
 
 
+def test_padded_decode_steps_match_the_torch_backend(monkeypatch):
+    """The decode steps that CUDA graphs replay (inputs uploaded in one copy, padding rows, in-flight
+    tokens filled in on the device), run here kernel by kernel: the greedy tokens equal the reference
+    backend's, over batches that fill a graph's size and batches padded up to one."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.model.runner import ModelRunner
+
+    prompts = ["Hello world", "The scheduler limits each step", "Paris", "A fourth prompt"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 9, 6, 3)]
+    kw = dict(kv_cache_memory="4MiB", max_num_seqs=5)
+    ref = LLM("tiny", attention_backend="torch", **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM("tiny", attention_backend="triton", **kw)
+    runner = llm.engine.core.worker.runner
+    runner.capture_decode_graphs(graphs=False)
+    assert sorted(runner._graphs) == [1, 2, 4, 5]
+    replayed, real = [], ModelRunner._replay_decode
+
+    def spy(self, inp):
+        logits = real(self, inp)
+        if logits is not None:
+            replayed.append((len(inp.query_lens), len(inp.fill_rows)))
+        return logits
+
+    monkeypatch.setattr(ModelRunner, "_replay_decode", spy)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    batches = {n for n, _ in replayed}
+    assert {4, 3, 2, 1} <= batches  # 3 rows replay the graph of 4
+    assert all(fills == n for n, fills in replayed)  # each decode's input token was still in flight
+
+
 def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
     """Decode graphs compile only their own batch sizes' variants; eager steps choose split factors by
     batch and length, so the runner's warm-up must launch each of them next to prefill tiles, and in a

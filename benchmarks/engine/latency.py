@@ -142,7 +142,7 @@ def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
     print(f"TTFT: mean {result['mean_ttft_ms']:.1f} ms")
     print(f"ITL: mean {result['mean_itl_ms']:.3f} ms, p50 {result['median_itl_ms']:.3f} ms, p99 {result['p99_itl_ms']:.3f} ms")
     if runner._graphs:  # GPU time of decode graph replays, at the context the last request left
-        times = {bs: graph_ms(g) for bs, (g, _, _) in sorted(runner._graphs.items()) if bs <= 64}
+        times = {bs: graph_ms(replay) for bs, (replay, _, _) in sorted(runner._graphs.items()) if bs <= 64}
         print("GPU time of one decode graph replay: " + ", ".join(f"bs={bs} {t:.3f} ms" for bs, t in times.items()))
     print(f"per step (mean over {steps} steps): schedule {np.mean(phases['schedule']) * 1e3:.3f} ms, "
           f"execute (host: inputs + launch) {np.mean(phases['execute']) * 1e3:.3f} ms, the rest of the step's "
@@ -154,10 +154,10 @@ def profile_replays(runner, reps: int = 20) -> None:
     """Kernel-level profile of bs=1 decode graph replays (kernels inside a graph are traced one by one)."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = runner._graphs[1][0]
+    replay = runner._graphs[1][0]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            graph.replay()
+            replay()
         torch.cuda.synchronize()
     print(f"\n== kernels of {reps} bs=1 decode graph replays")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))

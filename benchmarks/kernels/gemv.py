@@ -206,7 +206,7 @@ def step_graph(m: int, fn, weights, head) -> tuple[float, int]:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
-    ms = graph_ms(g)
+    ms = graph_ms(g.replay)
     nbytes = sum(t.numel() * 2 for ws in weights for t in ws) + head.numel() * 2
     return ms, nbytes
 

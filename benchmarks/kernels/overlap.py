@@ -126,7 +126,7 @@ def time_arms(step: MixedStep, reps: int = 20) -> dict[str, float]:
     results = {}
     for name, fn in step.arms().items():
         graph = captured(lambda _, name=name, fn=fn: results.__setitem__(name, fn()), 1)
-        out[name] = graph_ms(graph, reps)
+        out[name] = graph_ms(graph.replay, reps)
         results[name] = results[name].float().clone()
         del graph
     ref = results["one batch"]

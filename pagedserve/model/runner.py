@@ -80,6 +80,37 @@ def prompt_graph_sizes(top: int) -> list[int]:
     return sizes
 
 
+class DecodeInputs:
+    """One decode graph's 1-D inputs (token ids, positions, slots, sequence lengths, and which ids the
+    previous step's samples fill in) as views of a shared device byte buffer, laid out for ``rows`` rows:
+    a step writes them into a host image of the same bytes and uploads it with one copy, padding included."""
+
+    _FIELDS = (("ids", torch.int64), ("positions", torch.int64), ("slots", torch.int64),
+               ("fill_rows", torch.int64), ("fill_from", torch.int64), ("seq_lens", torch.int32))
+    BYTES_PER_ROW = sum(dtype.itemsize for _, dtype in _FIELDS)
+
+    def __init__(self, buffer: torch.Tensor, rows: int):
+        self._buffer = buffer[:rows * self.BYTES_PER_ROW]
+        self._spans: dict[str, tuple[int, int, np.dtype]] = {}
+        at = 0
+        for name, dtype in self._FIELDS:
+            end = at + rows * dtype.itemsize
+            self._spans[name] = (at, end, np.dtype(str(dtype).removeprefix("torch.")))
+            setattr(self, name, self._buffer[at:end].view(dtype))
+            at = end
+
+    def upload(self, inp: StepInputs, trash_slot: int) -> None:
+        """The step's values, then padding rows (no keys, K/V to the trash slot), in one copy."""
+        image = np.zeros(len(self._buffer), dtype=np.uint8)
+        field = {name: image[a:b].view(dtype) for name, (a, b, dtype) in self._spans.items()}
+        n = len(inp.ids)
+        for name in ("ids", "positions", "slots", "seq_lens", "fill_rows", "fill_from"):
+            values = getattr(inp, name)
+            field[name][:len(values)] = values
+        field["slots"][n:] = trash_slot
+        self._buffer.copy_(staged(image, self._buffer.device), non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, backend: AttentionBackend):
         self.config, self.model, self.backend = config, model, backend
@@ -90,7 +121,8 @@ class ModelRunner:
         self.trash_slot = 0
         # the last launched step's sampled tokens, still on the device (later inputs are filled from them)
         self._last_tokens: torch.Tensor | None = None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
+        # decode-only steps, by batch size: (replay, logits, the inputs it reads)
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor, DecodeInputs]] = {}
         # steps with prompt tokens, by padded token count: (replay, hidden states, metadata)
         self._prompt_graphs: dict[int, tuple[Callable[[], None], torch.Tensor, AttentionMetadata]] = {}
         self._graph_pool = None
@@ -186,57 +218,56 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs for decode
 
     @torch.inference_mode()
-    def capture_decode_graphs(self) -> None:
+    def capture_decode_graphs(self, graphs: bool = True) -> None:
         """One graph per decode batch size; a step of B decodes replays the smallest graph >= B with
-        the extra rows padded (sequence length 0, K/V written to the trash slot)."""
-        t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        the extra rows padded (sequence length 0, K/V written to the trash slot). ``graphs=False`` keeps
+        the same padded steps but runs them kernel by kernel (how they are checked without CUDA graphs)."""
+        t0 = time.perf_counter()
+        free0 = torch.cuda.mem_get_info(self.device)[0] if graphs else 0
         sizes = decode_graph_sizes(self.config.max_num_seqs)
         top, dev = sizes[-1], self.device
-        width = self.config.blocks_per_max_len_request
-        self._static = {
-            "ids": torch.zeros(top, dtype=torch.long, device=dev),
-            "pos": torch.zeros(top, dtype=torch.long, device=dev),
-            "slots": torch.full((top,), self.trash_slot, dtype=torch.long, device=dev),
-            "seq_lens": torch.zeros(top, dtype=torch.int32, device=dev),
-            "starts": torch.arange(top + 1, dtype=torch.int32, device=dev),
-            "tables": torch.zeros((top, width), dtype=torch.int32, device=dev),
-        }
-        st = self._static
+        # the 1-D inputs of every size share one device buffer, each graph its own layout of it (one
+        # graph replays at a time): a step fills them with one copy
+        self._decode_inputs = torch.zeros(top * DecodeInputs.BYTES_PER_ROW, dtype=torch.uint8, device=dev)
+        self._decode_tables = torch.zeros((top, self.config.blocks_per_max_len_request), dtype=torch.int32, device=dev)
+        starts = torch.arange(top + 1, dtype=torch.int32, device=dev)
         for bs in reversed(sizes):
+            inputs = DecodeInputs(self._decode_inputs, bs)
             segs = self.backend.decode_segments(bs, self.config.max_model_len)
-            meta = AttentionMetadata(st["slots"][:bs], st["starts"][:bs + 1], st["seq_lens"][:bs], st["tables"][:bs],
+            meta = AttentionMetadata(inputs.slots, starts[:bs + 1], inputs.seq_lens, self._decode_tables[:bs],
                                      1, self.config.max_model_len, np.ones(bs, dtype=np.int64),
                                      self.backend.make_state(dev, np.arange(bs), [], segs))
-            def run(bs=bs, meta=meta):
-                return self.model.compute_logits(self.model(st["ids"][:bs], st["pos"][:bs], self.kv_caches, meta))
 
-            run()  # warm-up: compiles the kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                logits = run()
-            self._graph_pool = graph.pool()
-            self._graphs[bs] = (graph, logits, meta)
-        torch.cuda.synchronize(dev)
-        used = free0 - torch.cuda.mem_get_info(dev)[0]
+            def run(inputs=inputs, meta=meta):
+                return self.model.compute_logits(self.model(inputs.ids, inputs.positions, self.kv_caches, meta))
+
+            logits = run()  # warm-up: compiles the kernels outside the capture
+            replay = lambda run=run, logits=logits: logits.copy_(run())  # noqa: E731
+            if graphs:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._graph_pool):
+                    logits = run()
+                self._graph_pool, replay = graph.pool(), graph.replay
+            self._graphs[bs] = (replay, logits, inputs)
+        if graphs:
+            torch.cuda.synchronize(dev)
+        used = free0 - torch.cuda.mem_get_info(dev)[0] if graphs else 0
         logger.info("Graph capturing finished in %.1f secs, took %.2f GiB (%d decode batch sizes up to %d)",
                     time.perf_counter() - t0, used / GiB, len(sizes), top)
 
-    def _replay_decode(self, inp: StepInputs, fills: torch.Tensor | None) -> torch.Tensor | None:
+    def _replay_decode(self, inp: StepInputs) -> torch.Tensor | None:
         """Logits of an all-decode step through a captured graph, or None if the step does not fit one."""
         n = len(inp.query_lens)
         bs = min((b for b in self._graphs if b >= n), default=None)
         if bs is None or not inp.decode_only:
             return None
-        st = self._static
-        for key, a in (("ids", inp.ids), ("pos", inp.positions), ("slots", inp.slots), ("seq_lens", inp.seq_lens)):
-            st[key][:n].copy_(staged(a, self.device), non_blocking=True)
-        st["tables"][:n, :inp.tables.shape[1]].copy_(staged(inp.tables, self.device), non_blocking=True)
-        st["slots"][n:bs].fill_(self.trash_slot)
-        st["seq_lens"][n:bs].zero_()
+        replay, logits, inputs = self._graphs[bs]
+        inputs.upload(inp, self.trash_slot)
+        self._decode_tables[:n, :inp.tables.shape[1]].copy_(staged(inp.tables, self.device), non_blocking=True)
+        fills = self._fills(inp, inputs.fill_from[:len(inp.fill_from)])
         if fills is not None:
-            st["ids"].index_copy_(0, self._to_device(inp.fill_rows), fills)
-        graph, logits, _ = self._graphs[bs]
-        graph.replay()
+            inputs.ids.index_copy_(0, inputs.fill_rows[:len(inp.fill_rows)], fills)
+        replay()
         return logits[:n]
 
     @torch.inference_mode()
@@ -320,13 +351,13 @@ class ModelRunner:
         self.backend.prepare(meta, self.block_size)
         return meta
 
-    def _fills(self, inp: StepInputs) -> torch.Tensor | None:
+    def _fills(self, inp: StepInputs, fill_from: torch.Tensor | None = None) -> torch.Tensor | None:
         """The in-flight input tokens, gathered on the device from the previous step's samples (rank 0
-        holds those and hands them to the other ranks)."""
+        holds those and hands them to the other ranks); ``fill_from``: ``inp.fill_from`` already uploaded."""
         if not len(inp.fill_rows):
             return None
         if parallel.tp().rank == 0:
-            fills = self._last_tokens[self._to_device(inp.fill_from)]
+            fills = self._last_tokens[self._to_device(inp.fill_from) if fill_from is None else fill_from]
         else:
             fills = torch.empty(len(inp.fill_rows), dtype=torch.long, device=self.device)
         return parallel.broadcast_tensor(fills)
@@ -335,10 +366,10 @@ class ModelRunner:
     def forward(self, inp: StepInputs) -> tuple[torch.Tensor | None, SamplerOutput | None]:
         """Logits of the sampled rows (None if no row samples), and the scores of the prompt tokens it
         scores (prompt_logprobs). Every rank runs it on the same inputs."""
-        fills = self._fills(inp)
-        logits = self._replay_decode(inp, fills)
+        logits = self._replay_decode(inp)
         if logits is not None:
             return logits, None
+        fills = self._fills(inp)
         hidden = self._replay_prompt(inp, fills) if self._prompt_graphs else None
         if hidden is None:
             meta = self._metadata(self._to_device(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
