@@ -241,19 +241,24 @@ class ModelRunner:
             def run(inputs=inputs, meta=meta):
                 return self.model.compute_logits(self.model(inputs.ids, inputs.positions, self.kv_caches, meta))
 
-            logits = run()  # warm-up: compiles the kernels outside the capture
-            replay = lambda run=run, logits=logits: logits.copy_(run())  # noqa: E731
-            if graphs:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._graph_pool):
-                    logits = run()
-                self._graph_pool, replay = graph.pool(), graph.replay
-            self._graphs[bs] = (replay, logits, inputs)
+            self._graphs[bs] = (*self._graphed(run, graphs), inputs)
         if graphs:
             torch.cuda.synchronize(dev)
         used = free0 - torch.cuda.mem_get_info(dev)[0] if graphs else 0
         logger.info("Graph capturing finished in %.1f secs, took %.2f GiB (%d decode batch sizes up to %d)",
                     time.perf_counter() - t0, used / GiB, len(sizes), top)
+
+    def _graphed(self, run: Callable[[], torch.Tensor], graphs: bool) -> tuple[Callable[[], None], torch.Tensor]:
+        """(replay, output) of ``run``: run once (compiling its kernels outside any capture), then captured in
+        the shared graph pool; with ``graphs`` off, a replay runs it again into the first run's output."""
+        out = run()
+        if not graphs:
+            return (lambda: out.copy_(run())), out
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = run()
+        self._graph_pool = graph.pool()
+        return graph.replay, out
 
     def _replay_decode(self, inp: StepInputs) -> torch.Tensor | None:
         """Logits of an all-decode step through a captured graph, or None if the step does not fit one."""
@@ -298,14 +303,7 @@ class ModelRunner:
             def run(size=size, meta=meta):
                 return self.model(st["ids"][:size], st["pos"][:size], self.kv_caches, meta)
 
-            hidden = run()  # also compiles the kernels outside the capture
-            replay = lambda run=run, hidden=hidden: hidden.copy_(run())  # noqa: E731
-            if graphs:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._graph_pool):
-                    hidden = run()
-                self._graph_pool, replay = graph.pool(), graph.replay
-            self._prompt_graphs[size] = (replay, hidden, meta)
+            self._prompt_graphs[size] = (*self._graphed(run, graphs), meta)
         if graphs:
             torch.cuda.synchronize(dev)
         logger.info("Captured %d graphs for steps with prompt tokens (up to %d tokens) in %.1f secs", len(sizes),
