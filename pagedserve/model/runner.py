@@ -87,17 +87,21 @@ class DecodeInputs:
 
     _FIELDS = (("ids", torch.int64), ("positions", torch.int64), ("slots", torch.int64),
                ("fill_rows", torch.int64), ("fill_from", torch.int64), ("seq_lens", torch.int32))
-    BYTES_PER_ROW = sum(dtype.itemsize for _, dtype in _FIELDS)
+    ALIGN = 128  # each field starts on its own cache line, aligned as a separate allocation would be
+
+    @classmethod
+    def nbytes(cls, rows: int) -> int:
+        return sum(-(-rows * dtype.itemsize // cls.ALIGN) * cls.ALIGN for _, dtype in cls._FIELDS)
 
     def __init__(self, buffer: torch.Tensor, rows: int):
-        self._buffer = buffer[:rows * self.BYTES_PER_ROW]
+        self._buffer = buffer[:self.nbytes(rows)]
         self._spans: dict[str, tuple[int, int, np.dtype]] = {}
         at = 0
         for name, dtype in self._FIELDS:
             end = at + rows * dtype.itemsize
             self._spans[name] = (at, end, np.dtype(str(dtype).removeprefix("torch.")))
             setattr(self, name, self._buffer[at:end].view(dtype))
-            at = end
+            at = -(-end // self.ALIGN) * self.ALIGN
 
     def upload(self, inp: StepInputs, trash_slot: int) -> None:
         """The step's values, then padding rows (no keys, K/V to the trash slot), in one copy."""
@@ -228,7 +232,7 @@ class ModelRunner:
         top, dev = sizes[-1], self.device
         # the 1-D inputs of every size share one device buffer, each graph its own layout of it (one
         # graph replays at a time): a step fills them with one copy
-        self._decode_inputs = torch.zeros(top * DecodeInputs.BYTES_PER_ROW, dtype=torch.uint8, device=dev)
+        self._decode_inputs = torch.zeros(DecodeInputs.nbytes(top), dtype=torch.uint8, device=dev)
         self._decode_tables = torch.zeros((top, self.config.blocks_per_max_len_request), dtype=torch.int32, device=dev)
         starts = torch.arange(top + 1, dtype=torch.int32, device=dev)
         for bs in reversed(sizes):
