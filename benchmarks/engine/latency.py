@@ -142,7 +142,7 @@ def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
     print(f"TTFT: mean {result['mean_ttft_ms']:.1f} ms")
     print(f"ITL: mean {result['mean_itl_ms']:.3f} ms, p50 {result['median_itl_ms']:.3f} ms, p99 {result['p99_itl_ms']:.3f} ms")
     if runner._graphs:  # GPU time of decode graph replays, at the context the last request left
-        times = {bs: graph_ms(replay) for bs, (replay, _, _) in sorted(runner._graphs.items()) if bs <= 64}
+        times = {bs: graph_ms(graph[0]) for bs, graph in sorted(runner._graphs.items()) if bs <= 64}
         print("GPU time of one decode graph replay: " + ", ".join(f"bs={bs} {t:.3f} ms" for bs, t in times.items()))
     print(f"per step (mean over {steps} steps): schedule {np.mean(phases['schedule']) * 1e3:.3f} ms, "
           f"execute (host: inputs + launch) {np.mean(phases['execute']) * 1e3:.3f} ms, the rest of the step's "

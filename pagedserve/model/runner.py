@@ -125,8 +125,9 @@ class ModelRunner:
         self.trash_slot = 0
         # the last launched step's sampled tokens, still on the device (later inputs are filled from them)
         self._last_tokens: torch.Tensor | None = None
-        # decode-only steps, by batch size: (replay, logits, the inputs it reads)
-        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor, DecodeInputs]] = {}
+        # decode-only steps, by batch size: (replay, logits, the inputs it reads, the metadata whose device
+        # arrays it reads); a graph holds only addresses, so these keep what they point at alive
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor, DecodeInputs, AttentionMetadata]] = {}
         # steps with prompt tokens, by padded token count: (replay, hidden states, metadata)
         self._prompt_graphs: dict[int, tuple[Callable[[], None], torch.Tensor, AttentionMetadata]] = {}
         self._graph_pool = None
@@ -245,7 +246,7 @@ class ModelRunner:
             def run(inputs=inputs, meta=meta):
                 return self.model.compute_logits(self.model(inputs.ids, inputs.positions, self.kv_caches, meta))
 
-            self._graphs[bs] = (*self._graphed(run, graphs), inputs)
+            self._graphs[bs] = (*self._graphed(run, graphs), inputs, meta)
         if graphs:
             torch.cuda.synchronize(dev)
         used = free0 - torch.cuda.mem_get_info(dev)[0] if graphs else 0
@@ -270,7 +271,7 @@ class ModelRunner:
         bs = min((b for b in self._graphs if b >= n), default=None)
         if bs is None or not inp.decode_only:
             return None
-        replay, logits, inputs = self._graphs[bs]
+        replay, logits, inputs, _ = self._graphs[bs]
         inputs.upload(inp, self.trash_slot)
         self._decode_tables[:n, :inp.tables.shape[1]].copy_(staged(inp.tables, self.device), non_blocking=True)
         fills = self._fills(inp, inputs.fill_from[:len(inp.fill_from)])
