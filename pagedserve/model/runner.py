@@ -106,12 +106,11 @@ class DecodeInputs:
     def upload(self, inp: StepInputs, trash_slot: int) -> None:
         """The step's values, then padding rows (no keys, K/V to the trash slot), in one copy."""
         image = np.zeros(len(self._buffer), dtype=np.uint8)
-        field = {name: image[a:b].view(dtype) for name, (a, b, dtype) in self._spans.items()}
-        n = len(inp.ids)
-        for name in ("ids", "positions", "slots", "seq_lens", "fill_rows", "fill_from"):
+        for name, (a, b, dtype) in self._spans.items():  # each field is the StepInputs array of its name
             values = getattr(inp, name)
-            field[name][:len(values)] = values
-        field["slots"][n:] = trash_slot
+            image[a:b].view(dtype)[:len(values)] = values
+        a, b, dtype = self._spans["slots"]
+        image[a:b].view(dtype)[len(inp.slots):] = trash_slot
         self._buffer.copy_(staged(image, self._buffer.device), non_blocking=True)
 
 
