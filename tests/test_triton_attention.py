@@ -183,9 +183,9 @@ def test_engine_with_triton_backend_matches_torch_backend():
 
 
 def test_padded_prompt_steps_match_the_torch_backend(monkeypatch):
-    """The fixed-size steps that CUDA graphs replay (padding tokens, unused tiles pointing at the empty
-    row), run here kernel by kernel: every step with prompt tokens goes through them, with and without
-    decodes, and the greedy tokens equal the reference backend's."""
+    """The fixed-size steps that CUDA graphs replay (inputs uploaded in one copy, padding tokens, unused
+    tiles pointing at the empty row), run here kernel by kernel: every step with prompt tokens goes through
+    them, with and without decodes, and the greedy tokens equal the reference backend's."""
     from pagedserve import LLM, SamplingParams
     from pagedserve.model.runner import ModelRunner
 
@@ -198,11 +198,12 @@ def test_padded_prompt_steps_match_the_torch_backend(monkeypatch):
     runner = llm.engine.core.worker.runner
     runner.capture_prompt_graphs(graphs=False)
     assert sorted(runner._prompt_graphs) == [16, 32]
-    padded, real = [], ModelRunner._replay_prompt
+    padded, filled, real = [], [], ModelRunner._replay_prompt
 
-    def spy(self, inp, fills):
-        hidden = real(self, inp, fills)
+    def spy(self, inp):
+        hidden = real(self, inp)
         padded.append((hidden is not None, bool((inp.query_lens == 1).any())))
+        filled.append(hidden is not None and len(inp.fill_rows) > 0)
         return hidden
 
     monkeypatch.setattr(ModelRunner, "_replay_prompt", spy)
@@ -210,6 +211,7 @@ def test_padded_prompt_steps_match_the_torch_backend(monkeypatch):
     assert [o.outputs[0].token_ids for o in tri] == [o.outputs[0].token_ids for o in ref]
     assert (True, True) in padded and (True, False) in padded  # mixed with decodes, and prompts alone
     assert (False, True) in padded or (False, False) in padded  # over 32 tokens: kernel by kernel
+    assert any(filled)  # decodes whose input token was still in flight, filled in on the device
 
 
 def test_padded_decode_steps_match_the_torch_backend(monkeypatch):

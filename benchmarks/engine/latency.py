@@ -119,7 +119,7 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
 def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
     """`pagedserve bench latency` at one request, with the host time of each phase of a step."""
     core = llm.engine.core
-    phases = {"schedule": [], "execute": []}
+    phases = {"schedule": [], "execute": [], "prompt": []}
     sched, runner = core.scheduler, core.worker.runner
     orig_schedule, orig_execute = sched.schedule, runner.execute
 
@@ -127,7 +127,8 @@ def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
         def wrapper(*a, **k):
             t = time.perf_counter()
             r = fn(*a, **k)
-            phases[key].append(time.perf_counter() - t)
+            # execute's first argument is the step's inputs: a prompt step's host time is reported apart
+            phases["prompt" if key == "execute" and not a[0].decode_only else key].append(time.perf_counter() - t)
             return r
         return wrapper
 
@@ -139,15 +140,17 @@ def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
         sched.schedule, runner.execute = orig_schedule, orig_execute
     steps = len(phases["schedule"])
     step_wall = result["avg_latency"] * repeats / steps
-    print(f"TTFT: mean {result['mean_ttft_ms']:.1f} ms")
+    print(f"TTFT: mean {result['mean_ttft_ms']:.1f} ms; the prompt's steps' host time (inputs + launch): median "
+          f"{np.median(phases['prompt']) * 1e3:.3f} ms over {len(phases['prompt'])}")
     print(f"ITL: mean {result['mean_itl_ms']:.3f} ms, p50 {result['median_itl_ms']:.3f} ms, p99 {result['p99_itl_ms']:.3f} ms")
     if runner._graphs:  # GPU time of decode graph replays, at the context the last request left
         times = {bs: graph_ms(graph[0]) for bs, graph in sorted(runner._graphs.items()) if bs <= 64}
         print("GPU time of one decode graph replay: " + ", ".join(f"bs={bs} {t:.3f} ms" for bs, t in times.items()))
+    execute = np.mean(phases["execute"] + phases["prompt"])
     print(f"per step (mean over {steps} steps): schedule {np.mean(phases['schedule']) * 1e3:.3f} ms, "
-          f"execute (host: inputs + launch) {np.mean(phases['execute']) * 1e3:.3f} ms, the rest of the step's "
-          f"wall time (waiting for the previous step's token, update, detokenize) "
-          f"{(step_wall - np.mean(phases['schedule']) - np.mean(phases['execute'])) * 1e3:.3f} ms")
+          f"execute (host: inputs + launch) {execute * 1e3:.3f} ms (decode steps alone "
+          f"{np.mean(phases['execute']) * 1e3:.3f}), the rest of the step's wall time (waiting for the previous "
+          f"step's token, update, detokenize) {(step_wall - np.mean(phases['schedule']) - execute) * 1e3:.3f} ms")
 
 
 def profile_replays(runner, reps: int = 20) -> None:

@@ -8,7 +8,7 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,37 +80,60 @@ def prompt_graph_sizes(top: int) -> list[int]:
     return sizes
 
 
-class DecodeInputs:
-    """One decode graph's 1-D inputs (token ids, positions, slots, sequence lengths, and which ids the
-    previous step's samples fill in) as views of a shared device byte buffer, laid out for ``rows`` rows:
-    a step writes them into a host image of the same bytes and uploads it with one copy, padding included."""
+# the 1-D StepInputs arrays a graph reads: name, dtype, and whether it has an entry a token (else one a
+# sequence: an in-flight token belongs to one sequence, so the sequences bound those too)
+_STEP_ARRAYS = (("ids", torch.int64, True), ("positions", torch.int64, True), ("slots", torch.int64, True),
+                ("fill_rows", torch.int64, False), ("fill_from", torch.int64, False), ("seq_lens", torch.int32, False))
 
-    _FIELDS = (("ids", torch.int64), ("positions", torch.int64), ("slots", torch.int64),
-               ("fill_rows", torch.int64), ("fill_from", torch.int64), ("seq_lens", torch.int32))
-    ALIGN = 128  # each field starts on its own cache line, aligned as a separate allocation would be
+
+def step_fields(tokens: int, rows: int) -> list[tuple[str, torch.dtype, int]]:
+    """The step arrays of a graph of ``tokens`` tokens over ``rows`` sequences: name, dtype and length."""
+    return [(name, dtype, tokens if per_token else rows) for name, dtype, per_token in _STEP_ARRAYS]
+
+
+class GraphInputs(Mapping[str, torch.Tensor]):
+    """A CUDA graph's 1-D inputs as views of a device byte buffer, each field on its own 128-byte line (aligned
+    as a separate allocation would be). Graphs replay one at a time, so graphs of different sizes lay their
+    fields over the same buffer; a step writes its values and the padding into a host image of the bytes and
+    uploads it with one copy."""
+
+    ALIGN = 128
+
+    def __init__(self, buffer: torch.Tensor, fields: list[tuple[str, torch.dtype, int]]):
+        spans, end = self._layout(fields)
+        self._buffer = buffer[:end]
+        self._spans = {name: (a, b, np.dtype(str(dtype).removeprefix("torch."))) for name, (a, b, dtype) in spans.items()}
+        self._views = {name: self._buffer[a:b].view(dtype) for name, (a, b, dtype) in spans.items()}
 
     @classmethod
-    def nbytes(cls, rows: int) -> int:
-        return sum(-(-rows * dtype.itemsize // cls.ALIGN) * cls.ALIGN for _, dtype in cls._FIELDS)
+    def _layout(cls, fields: list[tuple[str, torch.dtype, int]]) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
+        spans, at = {}, 0
+        for name, dtype, n in fields:
+            spans[name] = (at, at + n * dtype.itemsize, dtype)
+            at = -(-(at + n * dtype.itemsize) // cls.ALIGN) * cls.ALIGN
+        return spans, at
 
-    def __init__(self, buffer: torch.Tensor, rows: int):
-        self._buffer = buffer[:self.nbytes(rows)]
-        self._spans: dict[str, tuple[int, int, np.dtype]] = {}
-        at = 0
-        for name, dtype in self._FIELDS:
-            end = at + rows * dtype.itemsize
-            self._spans[name] = (at, end, np.dtype(str(dtype).removeprefix("torch.")))
-            setattr(self, name, self._buffer[at:end].view(dtype))
-            at = -(-end // self.ALIGN) * self.ALIGN
+    @classmethod
+    def nbytes(cls, fields: list[tuple[str, torch.dtype, int]]) -> int:
+        return cls._layout(fields)[1]
 
-    def upload(self, inp: StepInputs, trash_slot: int) -> None:
-        """The step's values, then padding rows (no keys, K/V to the trash slot), in one copy."""
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._views[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def upload(self, values: dict[str, np.ndarray], pads: dict[str, int]) -> None:
+        """Each field's values first, then its pad value (0 unless ``pads`` names another), in one copy."""
         image = np.zeros(len(self._buffer), dtype=np.uint8)
-        for name, (a, b, dtype) in self._spans.items():  # each field is the StepInputs array of its name
-            values = getattr(inp, name)
-            image[a:b].view(dtype)[:len(values)] = values
-        a, b, dtype = self._spans["slots"]
-        image[a:b].view(dtype)[len(inp.slots):] = trash_slot
+        for name, (a, b, dtype) in self._spans.items():
+            field, v = image[a:b].view(dtype), values[name]
+            field[:len(v)] = v
+            if name in pads:
+                field[len(v):] = pads[name]
         self._buffer.copy_(staged(image, self._buffer.device), non_blocking=True)
 
 
@@ -124,11 +147,11 @@ class ModelRunner:
         self.trash_slot = 0
         # the last launched step's sampled tokens, still on the device (later inputs are filled from them)
         self._last_tokens: torch.Tensor | None = None
-        # decode-only steps, by batch size: (replay, logits, the inputs it reads, the metadata whose device
-        # arrays it reads); a graph holds only addresses, so these keep what they point at alive
-        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor, DecodeInputs, AttentionMetadata]] = {}
-        # steps with prompt tokens, by padded token count: (replay, hidden states, metadata)
-        self._prompt_graphs: dict[int, tuple[Callable[[], None], torch.Tensor, AttentionMetadata]] = {}
+        # decode-only steps by batch size, and steps with prompt tokens by padded token count: (replay, logits
+        # or hidden states, the inputs it reads, the metadata whose device arrays it reads); a graph holds
+        # only addresses, so these keep what they point at alive
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor, GraphInputs, AttentionMetadata]] = {}
+        self._prompt_graphs: dict[int, tuple[Callable[[], None], torch.Tensor, GraphInputs, AttentionMetadata]] = {}
         self._graph_pool = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -230,20 +253,19 @@ class ModelRunner:
         free0 = torch.cuda.mem_get_info(self.device)[0] if graphs else 0
         sizes = decode_graph_sizes(self.config.max_num_seqs)
         top, dev = sizes[-1], self.device
-        # the 1-D inputs of every size share one device buffer, each graph its own layout of it (one
-        # graph replays at a time): a step fills them with one copy
-        self._decode_inputs = torch.zeros(DecodeInputs.nbytes(top), dtype=torch.uint8, device=dev)
+        # the 1-D inputs of every size share one device buffer, each graph its own layout of it
+        self._decode_inputs = torch.zeros(GraphInputs.nbytes(step_fields(top, top)), dtype=torch.uint8, device=dev)
         self._decode_tables = torch.zeros((top, self.config.blocks_per_max_len_request), dtype=torch.int32, device=dev)
         starts = torch.arange(top + 1, dtype=torch.int32, device=dev)
         for bs in reversed(sizes):
-            inputs = DecodeInputs(self._decode_inputs, bs)
+            inputs = GraphInputs(self._decode_inputs, step_fields(bs, bs))
             segs = self.backend.decode_segments(bs, self.config.max_model_len)
-            meta = AttentionMetadata(inputs.slots, starts[:bs + 1], inputs.seq_lens, self._decode_tables[:bs],
+            meta = AttentionMetadata(inputs["slots"], starts[:bs + 1], inputs["seq_lens"], self._decode_tables[:bs],
                                      1, self.config.max_model_len, np.ones(bs, dtype=np.int64),
                                      self.backend.make_state(dev, np.arange(bs), [], segs))
 
             def run(inputs=inputs, meta=meta):
-                return self.model.compute_logits(self.model(inputs.ids, inputs.positions, self.kv_caches, meta))
+                return self.model.compute_logits(self.model(inputs["ids"], inputs["positions"], self.kv_caches, meta))
 
             self._graphs[bs] = (*self._graphed(run, graphs), inputs, meta)
         if graphs:
@@ -271,13 +293,20 @@ class ModelRunner:
         if bs is None or not inp.decode_only:
             return None
         replay, logits, inputs, _ = self._graphs[bs]
-        inputs.upload(inp, self.trash_slot)
-        self._decode_tables[:n, :inp.tables.shape[1]].copy_(staged(inp.tables, self.device), non_blocking=True)
-        fills = self._fills(inp, inputs.fill_from[:len(inp.fill_from)])
-        if fills is not None:
-            inputs.ids.index_copy_(0, inputs.fill_rows[:len(inp.fill_rows)], fills)
+        self._upload(inputs, inp, {}, self._decode_tables[:n])
         replay()
         return logits[:n]
+
+    def _upload(self, inputs: GraphInputs, inp: StepInputs, values: dict[str, np.ndarray],
+                tables: torch.Tensor) -> None:
+        """A graph's inputs: the step's arrays and ``values`` in one copy (padding tokens' K/V to the trash
+        slot), the block tables' columns in use in a second, then the in-flight tokens filled in."""
+        inputs.upload({name: getattr(inp, name) for name, _, _ in _STEP_ARRAYS} | values,
+                      {"slots": self.trash_slot, "starts": len(inp.ids)})
+        tables[:, :inp.tables.shape[1]].copy_(staged(inp.tables, self.device), non_blocking=True)
+        fills = self._fills(inp, inputs["fill_from"][:len(inp.fill_from)])
+        if fills is not None:
+            inputs["ids"].index_copy_(0, inputs["fill_rows"][:len(inp.fill_rows)], fills)
 
     @torch.inference_mode()
     def capture_prompt_graphs(self, graphs: bool = True) -> None:
@@ -291,49 +320,42 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         rows, top, dev = self.config.max_num_seqs, sizes[-1], self.device
-        self._prompt_static = st = {
-            "ids": torch.zeros(top, dtype=torch.long, device=dev),
-            "pos": torch.zeros(top, dtype=torch.long, device=dev),
-            "slots": torch.full((top,), self.trash_slot, dtype=torch.long, device=dev),
-            "starts": torch.zeros(rows + 2, dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(rows + 1, dtype=torch.int32, device=dev),
-            "tables": torch.zeros((rows + 1, self.config.blocks_per_max_len_request), dtype=torch.int32, device=dev),
-        }
+        self._prompt_inputs = torch.zeros(GraphInputs.nbytes(self._prompt_fields(rows, top)), dtype=torch.uint8,
+                                          device=dev)
+        self._prompt_tables = torch.zeros((rows + 1, self.config.blocks_per_max_len_request), dtype=torch.int32,
+                                          device=dev)
         for size in reversed(sizes):
-            meta = AttentionMetadata(st["slots"][:size], st["starts"], st["seq_lens"], st["tables"], size,
+            inputs = GraphInputs(self._prompt_inputs, self._prompt_fields(rows, size))
+            meta = AttentionMetadata(inputs["slots"], inputs["starts"], inputs["seq_lens"], self._prompt_tables, size,
                                      self.config.max_model_len, np.zeros(0, dtype=np.int64),
-                                     self.backend.padded_state(dev, rows, size))
+                                     self.backend.padded_state(inputs))
 
-            def run(size=size, meta=meta):
-                return self.model(st["ids"][:size], st["pos"][:size], self.kv_caches, meta)
+            def run(inputs=inputs, meta=meta):
+                return self.model(inputs["ids"], inputs["positions"], self.kv_caches, meta)
 
-            self._prompt_graphs[size] = (*self._graphed(run, graphs), meta)
+            self._prompt_graphs[size] = (*self._graphed(run, graphs), inputs, meta)
         if graphs:
             torch.cuda.synchronize(dev)
         logger.info("Captured %d graphs for steps with prompt tokens (up to %d tokens) in %.1f secs", len(sizes),
                     top, time.perf_counter() - t0)
 
-    def _replay_prompt(self, inp: StepInputs, fills: torch.Tensor | None) -> torch.Tensor | None:
+    def _prompt_fields(self, rows: int, size: int) -> list[tuple[str, torch.dtype, int]]:
+        """A prompt graph's inputs: ``size`` tokens over up to ``rows`` sequences and one empty row, the
+        sequences' starts, and the backend's tile arrays."""
+        return [*step_fields(size, rows + 1), ("starts", torch.int32, rows + 2),
+                *((name, torch.int32, n) for name, n in self.backend.padded_fields(rows, size))]
+
+    def _replay_prompt(self, inp: StepInputs) -> torch.Tensor | None:
         """Hidden states of a step with prompt tokens through a captured graph, or None if it fits none."""
-        st, dev = self._prompt_static, self.device
         n, rows = len(inp.ids), len(inp.query_lens)
         size = min((t for t in self._prompt_graphs if t >= n), default=None)
-        if size is None or rows >= len(st["seq_lens"]):  # more sequences than at capture (limits raised since)
+        if size is None or rows >= len(self._prompt_tables):  # more sequences than at capture (limits raised since)
             return None
-        replay, hidden, meta = self._prompt_graphs[size]
-        starts = np.full(len(st["starts"]), n, dtype=np.int32)
-        starts[0] = 0
-        np.cumsum(inp.query_lens, out=starts[1:rows + 1])
-        seq_lens = np.zeros(len(st["seq_lens"]), dtype=np.int32)
-        seq_lens[:rows] = inp.seq_lens
-        for dst, a in ((st["ids"][:n], inp.ids), (st["pos"][:n], inp.positions), (st["slots"][:n], inp.slots),
-                       (st["starts"], starts), (st["seq_lens"], seq_lens),
-                       (st["tables"][:rows, :inp.tables.shape[1]], inp.tables),
-                       *self.backend.fill_padded(meta.backend_state, inp.query_lens)):
-            dst.copy_(staged(a, dev), non_blocking=True)
-        st["slots"][n:size].fill_(self.trash_slot)
-        if fills is not None:
-            st["ids"].index_copy_(0, self._to_device(inp.fill_rows), fills)
+        replay, hidden, inputs, meta = self._prompt_graphs[size]
+        starts = np.zeros(rows + 1, dtype=np.int32)
+        np.cumsum(inp.query_lens, out=starts[1:])
+        self._upload(inputs, inp, {"starts": starts, **self.backend.fill_padded(meta.backend_state, inp.query_lens)},
+                     self._prompt_tables[:rows])
         replay()
         return hidden[:n]
 
@@ -371,11 +393,11 @@ class ModelRunner:
         logits = self._replay_decode(inp)
         if logits is not None:
             return logits, None
-        fills = self._fills(inp)
-        hidden = self._replay_prompt(inp, fills) if self._prompt_graphs else None
+        hidden = self._replay_prompt(inp) if self._prompt_graphs else None
         if hidden is None:
             meta = self._metadata(self._to_device(inp.slots), inp.query_lens, inp.seq_lens, inp.tables)
             ids = self._to_device(inp.ids)
+            fills = self._fills(inp)
             if fills is not None:
                 ids = ids.index_copy(0, self._to_device(inp.fill_rows), fills)
             hidden = self.model(ids, self._to_device(inp.positions), self.kv_caches, meta)

@@ -15,7 +15,7 @@ and on the GPU on real shapes (benchmarks/gpu_check.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -402,21 +402,26 @@ class TritonAttentionBackend:
             counts = self._counts[dev] = torch.zeros(max(n, 2 * self.num_sms), dtype=torch.int32, device=dev)
         return counts
 
-    def padded_state(self, dev, rows: int, tokens: int) -> TritonState:
-        """Launches of fixed size for steps of up to ``tokens`` tokens over up to ``rows`` sequences, with
-        row ``rows`` left empty (no tokens, no keys): the tile arrays live on the device, ``fill_padded``
-        writes each step's into them, and tiles the step does not use point at the empty row, so the
-        kernels skip them. Decodes are not split, so no merge is launched."""
-        prefill_tiles = -(-tokens // self.prefill_block_q) + rows  # each prefilling row may end a tile early
-        zeros = lambda n: torch.zeros(n, dtype=torch.int32, device=dev)  # noqa: E731
-        decode = _Launch(zeros(rows), zeros(rows), 1, self.decode_block_m, 1)
-        prefill = _Launch(zeros(prefill_tiles), zeros(prefill_tiles), self.prefill_block_q,
+    def padded_fields(self, rows: int, tokens: int) -> list[tuple[str, int]]:
+        """The int32 tile arrays of a padded state, by name and length, for steps of up to ``tokens`` tokens
+        over up to ``rows`` sequences: the runner lays them out beside the step's other inputs, so that one
+        copy uploads them all."""
+        tiles = -(-tokens // self.prefill_block_q) + rows  # each prefilling row may end a tile early
+        return [("decode_tiles", rows), ("prefill_tiles", tiles), ("prefill_offsets", tiles)]
+
+    def padded_state(self, arrays: Mapping[str, torch.Tensor]) -> TritonState:
+        """Launches of fixed size over the device arrays of ``padded_fields``, with the row after the last
+        sequence left empty (no tokens, no keys): ``fill_padded`` gives each step's values, and tiles the step
+        does not use point at the empty row, so the kernels skip them. Decodes are not split, so no merge
+        is launched."""
+        decode_tiles = arrays["decode_tiles"]
+        decode = _Launch(decode_tiles, torch.zeros_like(decode_tiles), 1, self.decode_block_m, 1)
+        prefill = _Launch(arrays["prefill_tiles"], arrays["prefill_offsets"], self.prefill_block_q,
                           max(16, triton.next_power_of_2(self.prefill_block_q * self.G)), 1)
         return TritonState(decode, prefill, None, None, None, padded=True)
 
-    def fill_padded(self, st: TritonState, query_lens: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
-        """(device tile array, its values) for a padded state and a step's query lengths; the caller
-        copies them in."""
+    def fill_padded(self, st: TritonState, query_lens: np.ndarray) -> dict[str, np.ndarray]:
+        """The values of ``padded_fields`` for a padded state and a step's query lengths."""
         empty = len(st.decode.tile_seq)
         decode_seqs, prefill_tiles = self._tiles(query_lens)
         dec = np.full(empty, empty, dtype=np.int32)
@@ -425,7 +430,7 @@ class TritonAttentionBackend:
         pre[0] = empty
         if prefill_tiles:
             pre[:, :len(prefill_tiles)] = np.asarray(prefill_tiles, dtype=np.int32).T
-        return [(st.decode.tile_seq, dec), (st.prefill.tile_seq, pre[0]), (st.prefill.tile_qoff, pre[1])]
+        return {"decode_tiles": dec, "prefill_tiles": pre[0], "prefill_offsets": pre[1]}
 
     def _tiles(self, qlens: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """The decoding requests, and (request, first query token) of every prefill tile."""
