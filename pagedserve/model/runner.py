@@ -102,11 +102,13 @@ class GraphInputs(Mapping[str, torch.Tensor]):
     def __init__(self, buffer: torch.Tensor, fields: list[tuple[str, torch.dtype, int]]):
         spans, end = self._layout(fields)
         self._buffer = buffer[:end]
-        self._spans = {name: (a, b, np.dtype(str(dtype).removeprefix("torch."))) for name, (a, b, dtype) in spans.items()}
         self._views = {name: self._buffer[a:b].view(dtype) for name, (a, b, dtype) in spans.items()}
+        # the same spans for the host image, in numpy's dtypes
+        self._spans = {name: (a, b, np.dtype(str(t).removeprefix("torch."))) for name, (a, b, t) in spans.items()}
 
     @classmethod
     def _layout(cls, fields: list[tuple[str, torch.dtype, int]]) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
+        """Each field's (first byte, end, dtype), and the bytes of them all."""
         spans, at = {}, 0
         for name, dtype, n in fields:
             spans[name] = (at, at + n * dtype.itemsize, dtype)
@@ -262,7 +264,7 @@ class ModelRunner:
             segs = self.backend.decode_segments(bs, self.config.max_model_len)
             meta = AttentionMetadata(inputs["slots"], starts[:bs + 1], inputs["seq_lens"], self._decode_tables[:bs],
                                      1, self.config.max_model_len, np.ones(bs, dtype=np.int64),
-                                     self.backend.make_state(dev, np.arange(bs), [], segs))
+                                     self.backend.make_state(dev, np.arange(bs), np.zeros((2, 0), np.int32), segs))
 
             def run(inputs=inputs, meta=meta):
                 return self.model.compute_logits(self.model(inputs["ids"], inputs["positions"], self.kv_caches, meta))

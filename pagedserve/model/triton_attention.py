@@ -375,15 +375,14 @@ class TritonAttentionBackend:
         useful = -(-max_seq_len // self.SPLIT_TILE)
         return max(1, min(16, triton.next_power_of_2(min(want, useful))))
 
-    def make_state(self, dev, decode_seqs: np.ndarray, prefill_tiles: list[tuple[int, int]],
-                   num_segments: int) -> TritonState:
+    def make_state(self, dev, decode_seqs: np.ndarray, prefill_tiles: np.ndarray, num_segments: int) -> TritonState:
+        """Launches for the decoding requests and the prefill tiles ([2, n]: request, first query token)."""
         to = lambda a: to_device(np.asarray(a, dtype=np.int32), dev)  # noqa: E731
         decode = prefill = None
         if len(decode_seqs):
             decode = _Launch(to(decode_seqs), to(np.zeros(len(decode_seqs))), 1, self.decode_block_m, num_segments)
-        if prefill_tiles:
-            arr = np.asarray(prefill_tiles, dtype=np.int32).reshape(-1, 2)
-            prefill = _Launch(to(arr[:, 0]), to(arr[:, 1]), self.prefill_block_q,
+        if prefill_tiles.shape[1]:
+            prefill = _Launch(to(prefill_tiles[0]), to(prefill_tiles[1]), self.prefill_block_q,
                               max(16, triton.next_power_of_2(self.prefill_block_q * self.G)), 1)
         part_acc = part_ml = counts = None
         if decode is not None and num_segments > 1:
@@ -428,14 +427,16 @@ class TritonAttentionBackend:
         dec[:len(decode_seqs)] = decode_seqs
         pre = np.zeros((2, len(st.prefill.tile_seq)), dtype=np.int32)
         pre[0] = empty
-        if prefill_tiles:
-            pre[:, :len(prefill_tiles)] = np.asarray(prefill_tiles, dtype=np.int32).T
+        pre[:, :prefill_tiles.shape[1]] = prefill_tiles
         return {"decode_tiles": dec, "prefill_tiles": pre[0], "prefill_offsets": pre[1]}
 
-    def _tiles(self, qlens: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """The decoding requests, and (request, first query token) of every prefill tile."""
-        prefill_tiles = [(i, off) for i in np.nonzero(qlens > 1)[0] for off in range(0, int(qlens[i]), self.prefill_block_q)]
-        return np.nonzero(qlens == 1)[0], prefill_tiles
+    def _tiles(self, qlens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The decoding requests, and the request and first query token of every prefill tile ([2, n] int32)."""
+        prefilling = np.nonzero(qlens > 1)[0]
+        counts = -(-qlens[prefilling] // self.prefill_block_q)
+        first = np.repeat(np.cumsum(counts) - counts, counts)  # each request's first tile, per tile
+        tiles = np.stack([np.repeat(prefilling, counts), (np.arange(len(first)) - first) * self.prefill_block_q])
+        return np.nonzero(qlens == 1)[0], tiles.astype(np.int32)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         decode_seqs, prefill_tiles = self._tiles(meta.query_lens_cpu)
