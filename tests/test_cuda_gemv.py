@@ -93,6 +93,29 @@ def test_o_proj_alone_stages_most_of_its_weights_beside_attention(monkeypatch):
     assert g.stages(w) and not g.stages(w.float()) and not g.stages(torch.zeros((4096, 4000), dtype=torch.bfloat16))
     monkeypatch.setattr(CudaGemv, "STAGE", False)
     assert not g.stages(w)
-    model = LLM("tiny", max_model_len=64, max_num_seqs=2).engine.core.worker.runner.model
-    staged = {name for name, m in model.named_modules() if isinstance(m, Linear) and m.staged}
-    assert staged == {f"model.layers.{i}.self_attn.o_proj" for i in range(model.config.num_layers)}
+
+
+def test_o_proj_stages_only_after_an_attention_that_releases_it_early(monkeypatch):
+    """o_proj's copy fills the time the attention kernel runs beside it; after a kernel that lets it start
+    only at its end (a plain launch: a biased or cuBLAS q/k/v projection, the three-kernel path), the copy
+    would only lengthen the projection."""
+    import pagedserve.model.layers as layers
+
+    class Backend:
+        def __init__(self, early: bool):
+            self.early = early
+
+        def forward(self, qkv, positions, layer, kv_cache, meta):
+            return torch.zeros((qkv.shape[0], layer.num_heads, layer.head_dim)), self.early
+
+    def projection(x, weight, bias, gemv, staged):
+        calls.append(staged)
+        return x.new_zeros((x.shape[0], weight.shape[0]))
+
+    attn = LLM("tiny", max_model_len=64, max_num_seqs=2).engine.core.worker.runner.model.model.layers[0].self_attn
+    calls = []
+    monkeypatch.setattr(layers, "linear", projection)
+    for early in (True, False):
+        monkeypatch.setattr(attn, "backend", Backend(early))
+        attn(torch.zeros(1, dtype=torch.long), torch.zeros((1, 1)), None, None)
+    assert calls == [True, False]

@@ -139,13 +139,13 @@ def test_fused_decode_resets_its_counts_and_leaves_padding_rows_at_zero(monkeypa
     cache = torch.randn((2, 40, 16, 2, 16), device=DEV)
     x = torch.randn((3, 8 * 16), device=DEV)
     with torch.no_grad():
-        out = tri.backend.forward(tri.qkv_proj(x), positions, tri, cache, meta)
+        out, _ = tri.backend.forward(tri.qkv_proj(x), positions, tri, cache, meta)
     assert torch.isfinite(out).all() and not out[2].any()
     assert not meta.backend_state.counts.any()
     with torch.no_grad():  # the first two rows as a batch of their own: the same output
         meta2, _ = make_batch(np.random.default_rng(0), [1, 1], [300, 40], 16, 40)
         tri.backend.prepare(meta2, 16)
-        again = tri.backend.forward(tri.qkv_proj(x[:2]), positions[:2], tri, cache.clone(), meta2)
+        again, _ = tri.backend.forward(tri.qkv_proj(x[:2]), positions[:2], tri, cache.clone(), meta2)
     torch.testing.assert_close(again, out[:2])
 
 
@@ -258,9 +258,9 @@ def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
         launched.append((launch.block_q, launch.num_segments))
         return real(self, q, kv_cache, out, meta, st, launch, scale)
 
-    def spy_fused(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st):
+    def spy_fused(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st, pdl):
         fused.append(st.decode.num_segments)
-        return real_fused(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st)
+        return real_fused(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st, pdl)
 
     monkeypatch.setattr(TritonAttentionBackend, "_launch", spy)
     monkeypatch.setattr(TritonAttentionBackend, "_fused_decode", spy_fused)

@@ -47,9 +47,11 @@ class AttentionBackend(Protocol):
         model runner runs them all at start-up so that none is compiled while serving."""
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, layer, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata) -> tuple[torch.Tensor, bool]:
         """From the layer's fused q/k/v projection [T, (Hq + 2 Hkv) D] to the attention output [T, Hq, D]:
-        q/k norms and rotary as ``layer.split_qkv`` does them, K/V written into ``kv_cache`` first."""
+        q/k norms and rotary as ``layer.split_qkv`` does them, K/V written into ``kv_cache`` first. Also
+        whether the kernel lets the launch after it start before it ends (a programmatic dependent launch),
+        so that o_proj can copy its weights in while the attention runs."""
 
 
 def staged(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -135,7 +137,7 @@ class TorchAttentionBackend:
     def forward(self, qkv, positions, layer, kv_cache, meta):
         q, k, v = layer.split_qkv(qkv, positions)
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        return self.attend(q, kv_cache, meta, layer.scale)
+        return self.attend(q, kv_cache, meta, layer.scale), False
 
     def attend(self, q, kv_cache, meta, scale):
         st: _TorchState = meta.backend_state

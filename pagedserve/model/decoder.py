@@ -39,7 +39,6 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.o_proj.staged = True
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -64,8 +63,9 @@ class Attention(nn.Module):
 
     def forward(self, positions, qkv, kv_cache, meta: AttentionMetadata):
         """From the q/k/v projection (the layer runs it, with the norm before it) to o_proj's output."""
-        out = self.backend.forward(qkv, positions, self, kv_cache, meta)
-        return all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        out, early = self.backend.forward(qkv, positions, self, kv_cache, meta)
+        # after a kernel that releases it early, o_proj copies its weights in while the attention runs
+        return all_reduce(self.o_proj(out.reshape(-1, self.q_size), staged=early))
 
 
 class DecoderLayer(nn.Module):

@@ -18,10 +18,10 @@ class Linear(nn.Linear):
     """A projection whose one-row products on the GPU may run as the CUDA GEMV (``use_gemv``)."""
 
     gemv: CudaGemv | None = None
-    staged = False  # its input comes from the attention kernel (o_proj): see CudaGemv.STAGE
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.gemv, self.staged)
+    def forward(self, x: torch.Tensor, staged: bool = False) -> torch.Tensor:
+        """``staged``: x comes from a kernel launched to release this one early (see CudaGemv.STAGE)."""
+        return linear(x, self.weight, self.bias, self.gemv, staged)
 
 
 def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, proj: Linear):

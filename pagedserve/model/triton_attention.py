@@ -459,10 +459,11 @@ class TritonAttentionBackend:
         st: TritonState = meta.backend_state
         qw, kw, eps = (layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps) if layer.qk_norm else (None, None, 0.0)
         if self.FUSED_DECODE and st.prefill is None and self._cuda_kernel(qkv.dtype, kv_cache, st.decode, st) is None:
-            return self._fused_decode(qkv, positions, layer, qw, kw, eps, kv_cache, meta, st)
+            pdl = self.releases_early(layer, qkv)
+            return self._fused_decode(qkv, positions, layer, qw, kw, eps, kv_cache, meta, st, pdl), pdl
         q = qkv_rope_store(qkv, positions, layer.rotary.cos, layer.rotary.sin, qw, kw, eps, meta.slot_mapping,
                            kv_cache, self.num_heads, self.num_kv_heads, self.head_dim)
-        return self.attend(q, kv_cache, meta, layer.scale)
+        return self.attend(q, kv_cache, meta, layer.scale), False
 
     def releases_early(self, layer, qkv: torch.Tensor) -> bool:
         """Whether the fused decode launches as a programmatic dependent: where its q/k/v projection ran on the
@@ -472,7 +473,8 @@ class TritonAttentionBackend:
         return (self.DECODE_PDL and self.has_pdl and qkv.shape[0] == 1 and proj.gemv is not None
                 and proj.bias is None and proj.gemv.takes_weight(proj.weight, qkv.dtype))
 
-    def _fused_decode(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st: TritonState) -> torch.Tensor:
+    def _fused_decode(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st: TritonState,
+                      pdl: bool) -> torch.Tensor:
         launch = st.decode
         segs = launch.num_segments
         out = torch.empty((qkv.shape[0], self.num_heads, self.head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -480,7 +482,6 @@ class TritonAttentionBackend:
         split = segs > 1
         fp8 = kv_cache.element_size() == 1
         tile, warps, stages, v_asm = self._shape(launch, st, fp8, kv_cache.is_cuda)
-        pdl = self.releases_early(layer, qkv)
         cos, sin = layer.rotary.cos, layer.rotary.sin
         # o_proj's weights copied beside this kernel (CudaGemv.STAGE) load HBM while it runs: its first key
         # tile goes to L2 before the wait (without the copy, that prefetch only lengthens the kernel)
