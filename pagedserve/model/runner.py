@@ -302,7 +302,8 @@ class ModelRunner:
     def _upload(self, inputs: GraphInputs, inp: StepInputs, values: dict[str, np.ndarray],
                 tables: torch.Tensor) -> None:
         """A graph's inputs: the step's arrays and ``values`` in one copy (padding tokens' K/V to the trash
-        slot), the block tables' columns in use in a second, then the in-flight tokens filled in."""
+        slot; sequence rows past the step's start at its end, so they are empty), the block tables' columns
+        in use in a second, then the in-flight tokens filled in."""
         inputs.upload({name: getattr(inp, name) for name, _, _ in _STEP_ARRAYS} | values,
                       {"slots": self.trash_slot, "starts": len(inp.ids)})
         tables[:, :inp.tables.shape[1]].copy_(staged(inp.tables, self.device), non_blocking=True)
