@@ -74,7 +74,6 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -117,7 +116,6 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
         )
 
     def num_params(self) -> int:
