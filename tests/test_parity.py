@@ -206,6 +206,17 @@ def test_bench_latency(tmp_path):
     assert set(r["percentiles"]) == {"10", "25", "50", "75", "90", "99"} and r["mean_itl_ms"] > 0
 
 
+def test_bench_latency_prefills_every_iteration_in_full():
+    """Each iteration's prompts are new, so none is served from the prefix cache (a repeated prompt would
+    make every iteration after the first a near-empty prefill, and its TTFT meaningless)."""
+    from pagedserve.bench.latency import run_latency
+
+    llm = LLM("tiny", kv_cache_memory="16MiB")
+    run_latency(llm, input_len=64, output_len=2, batch_size=2, num_iters_warmup=1, num_iters=3)
+    counters = llm.engine.core.counters
+    assert counters.prefix_cache_queries >= 8 * 64 and counters.prefix_cache_hits == 0
+
+
 def test_plan_wording():
     tight = make_plan(EngineArgs(model="Qwen/Qwen3-8B", gpu_memory_utilization=0.5, max_model_len=8192), gpu="RTX-4090")
     table = tight.table()

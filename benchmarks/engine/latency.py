@@ -72,10 +72,10 @@ def main() -> None:
     segments = [int(n) for n in ns.decode_segments.split(",")] if ns.decode_segments else [None]
     fused, pdls, stagings = ns.fused_decode or [None], ns.decode_pdl or [None], ns.o_proj_staged or [None]
     settings = list(itertools.product(gemvs, segments, fused, pdls, stagings))
-    for gemv, segs, fuse, pdl, staged in settings:
+    for k, (gemv, segs, fuse, pdl, staged) in enumerate(settings):
         if any(v is not None for v in (gemv, segs, fuse, pdl, staged)):
             recapture(core.worker.runner, gemv, segs, fuse, pdl, staged)
-        measure(llm, ns.input_len, ns.output_len, ns.repeats)
+        measure(llm, ns.input_len, ns.output_len, ns.repeats, seed=k + 1)  # prompts no earlier setting cached
         if ns.profile:
             profile_replays(core.worker.runner)
         tokens = llm.generate([prompt], check, use_tqdm=False)[0].outputs[0].token_ids
@@ -116,7 +116,7 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
           f"{'as configured' if staged is None else 'on' if staged else 'off'}")
 
 
-def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
+def measure(llm, input_len: int, output_len: int, repeats: int, seed: int) -> None:
     """`pagedserve bench latency` at one request, with the host time of each phase of a step."""
     core = llm.engine.core
     phases = {"schedule": [], "execute": [], "prompt": []}
@@ -135,7 +135,7 @@ def measure(llm, input_len: int, output_len: int, repeats: int) -> None:
     sched.schedule, runner.execute = timed(orig_schedule, "schedule"), timed(orig_execute, "execute")
     try:
         result = run_latency(llm, input_len, output_len, batch_size=1, num_iters_warmup=0, num_iters=repeats,
-                             temperature=0.0)
+                             seed=seed, temperature=0.0)
     finally:
         sched.schedule, runner.execute = orig_schedule, orig_execute
     steps = len(phases["schedule"])

@@ -1,7 +1,8 @@
 """``pagedserve bench latency``: how long one batch takes, in-process (vLLM's ``bench latency``).
 
-Each iteration sends --batch-size prompts of --input-len random tokens, each for --output-len tokens
-(ignore_eos), steps the engine until all finish, and times it. vLLM reports the end-to-end latency of
+Each iteration sends --batch-size prompts of --input-len random tokens (new ones each time, so that no
+iteration's prefill is served from the prefix cache), each for --output-len tokens (ignore_eos), steps
+the engine until all finish, and times it. vLLM reports the end-to-end latency of
 the batch; this also reports the time to the first token and the gaps between tokens (ITL), taken when
 tokens reach the caller, which with one request is the decode step the user sees.
 """
@@ -37,14 +38,17 @@ def run_latency(llm, input_len: int, output_len: int, batch_size: int, num_iters
     if min(input_len, output_len, batch_size, num_iters) < 1 or num_iters_warmup < 0:
         raise ConfigError("--input-len, --output-len, --batch-size and --num-iters must be at least 1.")
     rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, NO_TOKENIZER_VOCAB, size=(batch_size, input_len)).tolist()
     params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=output_len, ignore_eos=True)
     engine = llm.engine
+
+    def prompts() -> list[list[int]]:  # new ones each batch: a repeated prompt would be served from the prefix cache
+        return rng.integers(0, NO_TOKENIZER_VOCAB, size=(batch_size, input_len)).tolist()
+
     for i in range(num_iters_warmup):
-        one_batch(engine, prompts, params, f"warmup{i}")
+        one_batch(engine, prompts(), params, f"warmup{i}")
     latencies, ttfts, itls = [], [], []
     for i in range(num_iters):
-        latency, ttft, gaps = one_batch(engine, prompts, params, f"iter{i}")
+        latency, ttft, gaps = one_batch(engine, prompts(), params, f"iter{i}")
         latencies.append(latency)
         ttfts.append(ttft)
         itls.extend(gaps)
