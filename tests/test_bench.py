@@ -247,6 +247,18 @@ def test_bench_serve_on_the_chat_and_responses_routes_times_the_first_token(tmp_
     assert result["mean_ttft_ms"] >= 1e3 * server_ttft
 
 
+def test_bench_serve_warms_up_on_a_prompt_it_does_not_measure(tmp_path):
+    """The warm-up request leaves nothing in the prefix cache that a measured prompt could hit, so the first
+    measured request's TTFT is a full prefill's."""
+    with running_server("--kv-cache-memory", "16MiB", "--max-model-len", "512") as (url, _):
+        main(["bench", "serve", "--base-url", url, "--model", "tiny", "--random-input-len", "96",
+              "--random-output-len", "4", "--num-prompts", "3", "--max-concurrency", "1", "--disable-tqdm",
+              "--num-warmups", "1", "--result-dir", str(tmp_path), "--result-filename", "w.json"])
+        server = metric_values(url)
+    assert json.loads((tmp_path / "w.json").read_text())["completed"] == 3
+    assert server["vllm:prefix_cache_queries_total"] >= 4 * 90 and server["vllm:prefix_cache_hits_total"] == 0
+
+
 def test_bench_serve_counts_failures(tmp_path):
     flags = ("--kv-cache-memory", "16MiB", "--max-model-len", "64")
     with running_server(*flags) as (url, _):
