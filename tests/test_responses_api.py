@@ -154,6 +154,7 @@ def test_a_server_that_keeps_no_responses_says_how_to_keep_some(tmp_path):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role"),
     ({"input": [{"type": "computer_call"}]}, "input.0.type"),
+    ({"input": []}, "input"),
     ({"n": 2}, "n"),
     ({"temperature": -1}, "temperature"),
 ])

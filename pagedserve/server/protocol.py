@@ -379,6 +379,8 @@ class ResponsesRequest(_Body):
             raise InvalidRequestError("n", "A response has one output: leave out n (or send 1).")
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
         messages += conversation
+        if not messages:
+            raise InvalidRequestError("input", "The input is empty: send a string or at least one input item.")
         body = {**extra, "model": self.model, "messages": messages, "stream": self.stream,
                 "parallel_tool_calls": self.parallel_tool_calls}
         if self.max_output_tokens is not None:
