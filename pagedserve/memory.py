@@ -113,11 +113,12 @@ class MemoryBudget:
         need_blocks = math.ceil(self.max_model_len / self.block_size)
         if self.num_blocks < need_blocks:
             fits = self.num_blocks * self.block_size
+            shorter = f"Lower --max-model-len to at most {fits:,}, or give" if fits else "Give"
             return [f"The KV cache holds {fits:,} tokens ({self.num_blocks:,} blocks of {self.block_size}, "
                     f"{fmt_bytes(self.kv_cache_bytes)}), but one request of max_model_len={self.max_model_len:,} needs "
-                    f"{need_blocks:,} blocks ({fmt_bytes(need_blocks * self.bytes_per_block)}). Lower --max-model-len "
-                    f"to at most {fits:,}, or give the cache more memory (--gpu-memory-utilization / "
-                    f"--kv-cache-memory), or halve its size per token with --kv-cache-dtype fp8."]
+                    f"{need_blocks:,} blocks ({fmt_bytes(need_blocks * self.bytes_per_block)}). {shorter} the cache "
+                    f"more memory (--gpu-memory-utilization / --kv-cache-memory), or halve its size per token with "
+                    f"--kv-cache-dtype fp8."]
         return []
 
     def check(self) -> "MemoryBudget":

@@ -282,6 +282,14 @@ def test_bench_throughput_end_to_end(tmp_path):
     assert result["tokens_per_second"] == pytest.approx(result["total_num_tokens"] / result["elapsed_time"])
 
 
+def test_bench_throughput_takes_vllm_s_input_and_output_len(tmp_path):
+    out = tmp_path / "t.json"
+    main(["bench", "throughput", "--model", "tiny", "--kv-cache-memory", "16MiB", "--num-prompts", "4",
+          "--input-len", "24", "--output-len", "6", "--output-json", str(out), "--disable-tqdm"])
+    result = json.loads(out.read_text())
+    assert result["total_prompt_tokens"] == 4 * 24 and result["total_output_tokens"] == 4 * 6
+
+
 def test_offline_floors_price_each_term_by_hand():
     """The throughput benchmark's floors at a GPU's peaks: weights read or tokens computed a step, whichever is
     longer; the decodes' contexts (a request of 2 in / 3 out decodes over 3 and 4 tokens); the prompts' attention.

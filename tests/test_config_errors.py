@@ -60,6 +60,13 @@ def test_kv_cache_too_small_for_max_model_len_suggests_a_length():
     assert "160 tokens" in msg and "max_model_len=1,024" in msg and "--max-model-len to at most 160" in msg
 
 
+def test_kv_cache_without_a_block_asks_for_memory_not_a_shorter_length():
+    with pytest.raises(ConfigError) as e:
+        LLM("tiny", kv_cache_memory="1KiB")
+    msg = str(e.value)
+    assert "holds 0 tokens" in msg and "--max-model-len" not in msg and "Give the cache more memory" in msg
+
+
 QWEN3_8B = ModelConfig.from_hf_dict(KNOWN_MODELS["Qwen/Qwen3-8B"])
 
 

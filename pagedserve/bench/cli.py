@@ -13,9 +13,11 @@ from pagedserve.errors import ConfigError
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the APIs bench serve and sweep drive
 
 
-def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: bool = True) -> None:
+def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: bool = True,
+                      short_lens: bool = False) -> None:
     """Dataset flags; ``client``: also --seed and --tokenizer (bench throughput has the engine's);
-    ``num_prompts``: False where the command sizes each run itself (bench sweep)."""
+    ``num_prompts``: False where the command sizes each run itself (bench sweep); ``short_lens``: also
+    --input-len / --output-len, as vLLM's bench throughput names the random lengths."""
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", choices=["random", "sharegpt", "custom", "lengths"], default="random",
                    help="lengths: random prompts with the prompt and output lengths of the requests a server "
@@ -24,8 +26,8 @@ def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: boo
                                                         "or a --record-lengths file.")
     if num_prompts:
         d.add_argument("--num-prompts", type=int, default=1000)
-    d.add_argument("--random-input-len", type=int, default=1024)
-    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--random-input-len", *(("--input-len",) if short_lens else ()), type=int, default=1024)
+    d.add_argument("--random-output-len", *(("--output-len",) if short_lens else ()), type=int, default=128)
     d.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="Lengths uniform in [L(1-r), L(1+r)].")
     d.add_argument("--random-prefix-len", type=int, default=0, help="A shared prefix of this many tokens.")
@@ -343,7 +345,7 @@ def add_bench_parser(sub) -> None:
 
     t = bsub.add_parser("throughput", help="Offline batch throughput with the in-process engine.")
     add_engine_args(t, positional_model=False)
-    _add_dataset_args(t, client=False)
+    _add_dataset_args(t, client=False, short_lens=True)
     t.add_argument("--output-json", default=None)
     t.add_argument("--disable-tqdm", action="store_true")
     t.set_defaults(func=cmd_bench_throughput)
