@@ -94,6 +94,19 @@ def test_random_dataset_as_text_with_a_tokenizer(tiny_path):
     assert all(abs(len(tok.encode(s.prompt, add_special_tokens=False)) - s.prompt_len) <= 2 for s in samples)
 
 
+def test_random_prompts_share_no_prefix_block(tiny_path):
+    """Many more prompts than the ids they are drawn from (256 token ids; the tiny tokenizer's 512, of which
+    the lone bytes of multi-byte characters decode to the same U+FFFD), yet no two share their first block
+    of 16 tokens: none would be served from another's prefix cache."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    as_ids = [s.prompt[:16] for s in random_dataset(1000, input_len=64, output_len=8, seed=0)]
+    as_text = [tok.encode(s.prompt)[:16] for s in random_dataset(300, input_len=64, output_len=8, seed=0,
+                                                                    tokenizer=tok)]
+    assert len({tuple(p) for p in as_ids}) == 1000 and len({tuple(p) for p in as_text}) == 300
+
+
 def test_sharegpt_and_custom_files(tmp_path):
     conv = [{"conversations": [{"from": "human", "value": f"question number {i} " * 5},
                                {"from": "gpt", "value": "answer " * (10 + i)}]} for i in range(5)]

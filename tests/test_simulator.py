@@ -3,6 +3,7 @@ the engine's limits and leaks nothing, a simulated ladder and tune end to end, a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -164,6 +165,15 @@ def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):
     monkeypatch.setattr(calibrate_mod, "_WARMUPS", 0)
     monkeypatch.setattr(calibrate_mod, "_REPEATS", 1)
     monkeypatch.setattr(calibrate_mod, "_HOST_LEVELS", (1, 8))
+    servers, paced = [], calibrate_mod.paced_server
+
+    @contextlib.contextmanager
+    def kept(*args, **kwargs):
+        with paced(*args, **kwargs) as (url, server):
+            servers.append(server)
+            yield url, server
+
+    monkeypatch.setattr(calibrate_mod, "paced_server", kept)
     cal = calibrate(EngineArgs(model="tiny", kv_cache_memory="64MiB", max_model_len=1024, max_num_seqs=16,
                                max_num_batched_tokens=512), log=lambda _: None)
     assert cal.gpu == "cpu" and cal.model == "tiny" and len(cal.samples) >= 10
@@ -184,6 +194,10 @@ def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):
     # the delivery jitter, from the spread of both runs' inter-token latencies over their equal steps
     assert one_at_a_time["itl_spread"] > 0 and burst["itl_spread"] > 0
     assert 0 < host.delivery_seconds(1) < 0.05 and "reaches the client" in cal.describe()
+    # every timed run sent prompts of its own: none was served from the prefix cache
+    counters = [server.config.app.state.engine.core.counters for server in servers]
+    assert len(counters) == 2 and all(c.prefix_cache_queries > 0 and c.prefix_cache_hits == 0 for c in counters), \
+        [(c.prefix_cache_queries, c.prefix_cache_hits) for c in counters]
 
 
 def test_a_request_reaches_the_engine_its_way_in_after_it_is_sent():

@@ -68,22 +68,26 @@ def random_dataset(num_prompts: int, input_len: int, output_len: int, range_rati
 
 
 def _allowed_ids(tokenizer) -> np.ndarray:
-    """The token ids random prompts are made of: every non-special one, or the first 256 without a tokenizer."""
+    """The token ids random prompts are made of: the first 256 without a tokenizer; with one, every id that is
+    not special and decodes to text of its own. A lone byte of a multi-byte character decodes to U+FFFD:
+    runs of those re-encode to the same text, and prompts made of them would share their prefix blocks."""
     if tokenizer is None:
         return np.arange(NO_TOKENIZER_VOCAB)
     special = set(tokenizer.all_special_ids)
-    return np.array([i for i in range(len(tokenizer)) if i not in special])
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    texts = tokenizer.batch_decode([[i] for i in ids])
+    return np.array([i for i, text in zip(ids, texts) if "\ufffd" not in text])
 
 
 def _random_prompts(rng: np.random.Generator, allowed: np.ndarray, prefixes: list[list[int]], in_lens, out_lens,
                     tokenizer) -> list[SampleRequest]:
-    """Prompts of each one's prefix and then random tokens of the given lengths. With a tokenizer they are
-    decoded to text (and re-encoded to keep the length exact where the tokenizer allows); without one
-    they are token ids."""
-    offsets = rng.integers(0, len(allowed), size=len(in_lens))
+    """Prompts of each one's prefix and then random tokens of the given lengths, each drawn on its own (runs
+    of consecutive ids from a random start would repeat whole prompts once prompts outnumber the ids, and a
+    repeated prompt is served from the prefix cache). With a tokenizer they are decoded to text (and
+    re-encoded to keep the length exact where the tokenizer allows); without one they are token ids."""
     samples = []
-    for prefix, n, out, off in zip(prefixes, in_lens, out_lens, offsets):
-        ids = prefix + allowed[(off + np.arange(n)) % len(allowed)].tolist()
+    for prefix, n, out in zip(prefixes, in_lens, out_lens):
+        ids = prefix + allowed[rng.integers(0, len(allowed), size=n)].tolist()
         if tokenizer is None:
             samples.append(SampleRequest(ids, len(ids), int(out)))
             continue

@@ -157,12 +157,12 @@ def bench_server(config, budget, cost: CostModel, levels, log=print, burst: int 
     with paced_server(config, budget, cost) as (url, server), tempfile.TemporaryDirectory() as tmp:
         counters = server.config.app.state.engine.core.counters
         asked = [(n, False) for n in levels if n <= config.max_num_seqs] + ([(burst, True)] if burst else [])
-        for c, at_once in asked:
+        for k, (c, at_once) in enumerate(asked):
             steps, tokens, cpu = counters.num_steps, counters.generation_tokens, time.process_time()
             prompts = c if at_once else max(8, 2 * c)
-            run = bench_serve(url, [
+            run = bench_serve(url, [  # each level its own prompts: none found in the prefix cache
                 "--random-input-len", str(in_len), "--random-output-len", str(out_len), "--num-prompts", str(prompts),
-                "--max-concurrency", str(c), "--num-warmups", "0"], Path(tmp) / "host.json")
+                "--max-concurrency", str(c), "--num-warmups", "0", "--seed", str(k)], Path(tmp) / "host.json")
             steps, tokens = counters.num_steps - steps, counters.generation_tokens - tokens
             itl = np.concatenate([np.asarray(x, dtype=float) for x in run["itls"]])
             runs.append({"seqs": tokens / steps, "seconds": run["duration"] / steps, "in_flight": c,
