@@ -262,8 +262,9 @@ def test_bench_serve_on_the_chat_and_responses_routes_times_the_first_token(tmp_
 
 def test_bench_serve_warms_up_on_a_prompt_it_does_not_measure(tmp_path):
     """The warm-up request leaves nothing in the prefix cache that a measured prompt could hit, so the first
-    measured request's TTFT is a full prefill's."""
-    with running_server("--kv-cache-memory", "16MiB", "--max-model-len", "512") as (url, _):
+    measured request's TTFT is a full prefill's; as a text prompt it is about as long as the first one (the
+    context here has room for little more)."""
+    with running_server("--kv-cache-memory", "16MiB", "--max-model-len", "112") as (url, _):
         main(["bench", "serve", "--base-url", url, "--model", "tiny", "--random-input-len", "96",
               "--random-output-len", "4", "--num-prompts", "3", "--max-concurrency", "1", "--disable-tqdm",
               "--num-warmups", "1", "--result-dir", str(tmp_path), "--result-filename", "w.json"])

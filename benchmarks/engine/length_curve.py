@@ -75,10 +75,10 @@ def main() -> None:
         for length in lengths:
             for c in levels:
                 prompts = max(1, min(c, ns.max_prompt_tokens // length)) if c > 1 else 3
-                r = bench_serve(server.base_url, [
+                r = bench_serve(server.base_url, [  # each point its own prompts: none cached by an earlier one
                     "--model", ns.model, "--random-input-len", str(length), "--random-output-len", str(ns.output_len),
                     "--num-prompts", str(prompts), "--max-concurrency", str(c), "--percentile-metrics", "ttft,itl,e2el",
-                    "--metric-percentiles", "50,95"], out / f"len{length}-c{c}.json")
+                    "--metric-percentiles", "50,95", "--seed", str(len(rows))], out / f"len{length}-c{c}.json")
                 ttft_floor, tput_ceiling = floors(config.model, config.dtype, config.kv_dtype, length, ns.output_len,
                                                   min(c, prompts), peaks)
                 rows.append((length, c, prompts, r["output_throughput"], tput_ceiling, r["median_ttft_ms"],

@@ -35,11 +35,12 @@ def main() -> None:
     for cache in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
         flags = ["--load-format", "dummy", cache, *ns.serve_args.split()]
         with LocalServer(ns.model, flags, out / f"server{cache}.log") as server:
-            for name, data in workloads.items():
-                r = bench_serve(server.base_url, [
+            for k, (name, data) in enumerate(workloads.items()):
+                r = bench_serve(server.base_url, [  # each workload its own seed: none shares the other's tokens
                     "--model", ns.model, *data, "--random-output-len", str(ns.output_len), "--num-prompts",
                     str(ns.num_prompts), "--max-concurrency", str(ns.max_concurrency), "--percentile-metrics", "ttft,itl",
-                    "--metric-percentiles", "50,95"], out / f"{cache.strip('-')}-{name.replace(' ', '-')}.json")
+                    "--metric-percentiles", "50,95", "--seed", str(k)],
+                    out / f"{cache.strip('-')}-{name.replace(' ', '-')}.json")
                 rows.append(("off" if "no-" in cache else "on", name, r["median_ttft_ms"],
                              r["p95_ttft_ms"], r["output_throughput"]))
                 print(rows[-1], flush=True)

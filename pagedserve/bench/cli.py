@@ -279,7 +279,8 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight from this client.")
     s.add_argument("--ignore-eos", action="store_true", help="Always on for the random dataset.")
     s.add_argument("--num-warmups", type=int, default=1,
-                   help="Unmeasured requests before the run (the first prompt reversed, so none is cached).")
+                   help="Unmeasured requests before the run (the first prompt with its halves swapped, so "
+                        "no measured prompt finds it cached).")
     s.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     s.add_argument("--metric-percentiles", default="99")
     s.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:10000.")
