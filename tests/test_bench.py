@@ -269,8 +269,14 @@ def test_bench_serve_warms_up_on_a_prompt_it_does_not_measure(tmp_path):
               "--random-output-len", "4", "--num-prompts", "3", "--max-concurrency", "1", "--disable-tqdm",
               "--num-warmups", "1", "--result-dir", str(tmp_path), "--result-filename", "w.json"])
         server = metric_values(url)
-    assert json.loads((tmp_path / "w.json").read_text())["completed"] == 3
+        # a shared prefix is what the cache is for: the report says how much of the prompts it served
+        main(["bench", "serve", "--base-url", url, "--model", "tiny", "--random-prefix-len", "64",
+              "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "3", "--max-concurrency", "1",
+              "--disable-tqdm", "--seed", "1", "--result-dir", str(tmp_path), "--result-filename", "p.json"])
+    cold, shared = (json.loads((tmp_path / f).read_text()) for f in ("w.json", "p.json"))
+    assert cold["completed"] == 3 and cold["server_prefix_cache_hit_rate"] == 0
     assert server["vllm:prefix_cache_queries_total"] >= 4 * 90 and server["vllm:prefix_cache_hits_total"] == 0
+    assert shared["completed"] == 3 and 0.3 < shared["server_prefix_cache_hit_rate"] < 0.7
 
 
 def test_bench_serve_counts_failures(tmp_path):

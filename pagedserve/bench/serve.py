@@ -163,6 +163,8 @@ async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, sample:
 
 SCRAPED = {
     "vllm:num_preemptions_total": "preemptions",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
     "vllm:gpu_cache_usage_perc": "kv_cache_usage",
     "vllm:num_requests_running": "num_requests_running",
@@ -184,8 +186,8 @@ _PEAKS = {
     "server_peak_device_memory_bytes": ("device_memory_peak_bytes", "device_memory_bytes"),
     "server_peak_nvml_device_memory_bytes": (None, "nvml_device_memory_bytes"),
 }
-SERVER_KEYS = ("server_preemptions", "server_device_wait_share", "server_step_interval_p50_ms",
-               "server_step_interval_p99_ms", *_PEAKS)
+SERVER_KEYS = ("server_preemptions", "server_prefix_cache_hit_rate", "server_device_wait_share",
+               "server_step_interval_p50_ms", "server_step_interval_p99_ms", *_PEAKS)
 STEP_INTERVALS = "pagedserve:step_interval_seconds"
 
 
@@ -257,6 +259,9 @@ class MetricsScraper:
         first, last = self.samples[0], self.samples[-1]
         if "preemptions" in first and "preemptions" in last:
             out["server_preemptions"] = last["preemptions"] - first["preemptions"]
+        looked_up = last.get("prefix_cache_queries", 0) - first.get("prefix_cache_queries", 0)
+        if looked_up > 0 and "prefix_cache_hits" in first:  # the prompt tokens the run found cached
+            out["server_prefix_cache_hit_rate"] = (last["prefix_cache_hits"] - first["prefix_cache_hits"]) / looked_up
         if "device_wait_seconds" in first and "device_wait_seconds" in last and last["t"] > first["t"]:
             out["server_device_wait_share"] = ((last["device_wait_seconds"] - first["device_wait_seconds"])
                                                / (last["t"] - first["t"]))
@@ -385,6 +390,8 @@ def format_table(result: dict, percentile_metrics: list[str], percentiles: list[
     run, wait = result["server_peak_num_requests_running"], result["server_peak_num_requests_waiting"]
     mem, nvml = result["server_peak_device_memory_bytes"], result["server_peak_nvml_device_memory_bytes"]
     row("Preemptions during the run:", na if pre is None else int(pre))
+    hits = result["server_prefix_cache_hit_rate"]
+    row("Prompt tokens found in the prefix cache (%):", na if hits is None else f"{100 * hits:.1f}")
     row("Peak KV-cache usage (%):", na if kv is None else f"{100 * kv:.1f}")
     row("Peak running requests:", na if run is None else int(run))
     row("Peak waiting requests:", na if wait is None else int(wait))
