@@ -2,9 +2,9 @@
 
 Each iteration sends --batch-size prompts of --input-len random tokens (new ones each time, so that no
 iteration's prefill is served from the prefix cache), each for --output-len tokens (ignore_eos), steps
-the engine until all finish, and times it. vLLM reports the end-to-end latency of
-the batch; this also reports the time to the first token and the gaps between tokens (ITL), taken when
-tokens reach the caller, which with one request is the decode step the user sees.
+the engine until all finish, and times it. vLLM reports the end-to-end latency of the batch; this also
+reports the time to the first token and the gaps between tokens (ITL), taken when tokens reach the
+caller, which with one request is the decode step the user sees.
 """
 
 from __future__ import annotations
