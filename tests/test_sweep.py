@@ -342,7 +342,7 @@ def test_sweep_end_to_end_on_the_tiny_model_writes_every_artefact(tmp_path):
     # the server's own peaks: four requests in flight at most, since --max-num-seqs 4
     assert [r["server_peak_num_requests_running"] for r in rungs] == [1, 2, 4, 4]
     assert rungs[3]["server_peak_num_requests_waiting"] >= 1 and all(r["server_peaks_exact"] for r in rungs)
-    assert all(r["prefix_cache"] == "reset" for r in rungs)
+    assert all(r["prefix_cache"] == "reset" and r["server_prefix_cache_hit_rate"] == 0 for r in rungs)
     knee = lad["knee"]
     assert doc["recommendation"]["concurrency"] == knee["recommended_load"] is not None
     assert knee["recommended_load"] < (knee["knee_load"] or float("inf"))
@@ -401,3 +401,18 @@ def test_sweep_command_line_errors(tmp_path, capsys):
     assert "--port" in err("--model", "tiny", "--serve-args", "--port 9000")
     assert "--concurrency" in err("--model", "tiny", "--concurrency", "1,x")
     assert "not a valid `pagedserve serve` command line" in err("--model", "tiny", "--serve-args", "--max-num-sequences 4")
+
+
+def test_a_rung_served_from_the_prefix_cache_says_so():
+    from pagedserve.bench.report import table_rows
+    from pagedserve.bench.sweep import progress_line
+
+    rung = {"load": 4, "completed": 16, "failed": 0, "duration": 2.0, "request_throughput": 8.0,
+            "output_throughput": 900.0, "total_token_throughput": 1800.0, "p95_ttft_ms": 50.0, "p95_itl_ms": 5.0,
+            "p95_e2el_ms": 800.0}
+    cached = {**rung, "server_prefix_cache_hit_rate": 0.25}
+    lad = {"rungs": [rung, cached], "knee": {"knee": None, "recommendation": 0, "signals": []}}
+    notes = [row[-1] for row in table_rows({}, lad)]
+    assert notes == ["**recommended**", "prefix cache 25 %"]
+    assert "prefix cache" not in progress_line(0, 2, "concurrency", 4, rung)
+    assert progress_line(1, 2, "concurrency", 4, cached).endswith("| prefix cache 25 % of prompt tokens")

@@ -43,6 +43,8 @@ def table_rows(doc: dict, ladder: dict) -> list[list[str]]:
             name = sig["name"] + ("" if sig["enabled"] else " (info)")
             if name not in mark:
                 mark.append(name)
+        if r.get("server_prefix_cache_hit_rate"):  # prompts served from the cache, not prefilled
+            mark.append(f"prefix cache {100 * r['server_prefix_cache_hit_rate']:.0f} %")
         run, wait = r.get("server_peak_num_requests_running"), r.get("server_peak_num_requests_waiting")
         rows.append([
             f"{r['load']:g}", f"{r['completed']}/{r['failed']}", f"{r['request_throughput']:.2f}",

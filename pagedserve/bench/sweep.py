@@ -191,7 +191,9 @@ def progress_line(i: int, n: int, unit: str, load: float, r: dict) -> str:
             f"peak KV {opt(r.get('server_peak_kv_cache_usage'), lambda v: f'{100 * v:.1f}%')}, running "
             f"{opt(r.get('server_peak_num_requests_running'), lambda v: f'{v:.0f}')}, waiting "
             f"{opt(r.get('server_peak_num_requests_waiting'), lambda v: f'{v:.0f}')}, memory "
-            f"{opt(mem, lambda v: f'{v / 2**30:.2f} GiB')}")
+            f"{opt(mem, lambda v: f'{v / 2**30:.2f} GiB')}"
+            + (f" | prefix cache {100 * hits:.0f} % of prompt tokens" if (hits := r.get("server_prefix_cache_hit_rate"))
+               else ""))
 
 
 def run_ladder(plan: SweepPlan, measure: Callable[[int, float], dict],
