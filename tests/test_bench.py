@@ -260,7 +260,7 @@ def test_bench_serve_on_the_chat_and_responses_routes_times_the_first_token(tmp_
     assert result["mean_ttft_ms"] >= 1e3 * server_ttft
 
 
-def test_bench_serve_warms_up_on_a_prompt_it_does_not_measure(tmp_path):
+def test_bench_serve_warms_up_on_a_prompt_it_does_not_measure(tmp_path, capsys):
     """The warm-up request leaves nothing in the prefix cache that a measured prompt could hit, so the first
     measured request's TTFT is a full prefill's; as a text prompt it is about as long as the first one (the
     context here has room for little more)."""
@@ -269,10 +269,17 @@ def test_bench_serve_warms_up_on_a_prompt_it_does_not_measure(tmp_path):
               "--random-output-len", "4", "--num-prompts", "3", "--max-concurrency", "1", "--disable-tqdm",
               "--num-warmups", "1", "--result-dir", str(tmp_path), "--result-filename", "w.json"])
         server = metric_values(url)
+        assert "use another --seed" not in capsys.readouterr().err
         # a shared prefix is what the cache is for: the report says how much of the prompts it served
         main(["bench", "serve", "--base-url", url, "--model", "tiny", "--random-prefix-len", "64",
               "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "3", "--max-concurrency", "1",
               "--disable-tqdm", "--seed", "1", "--result-dir", str(tmp_path), "--result-filename", "p.json"])
+        # the first run again (same seed): served from the cache, which the report points out
+        main(["bench", "serve", "--base-url", url, "--model", "tiny", "--random-input-len", "96",
+              "--random-output-len", "4", "--num-prompts", "3", "--max-concurrency", "1", "--disable-tqdm",
+              "--num-warmups", "0", "--result-dir", str(tmp_path), "--result-filename", "again.json"])
+    assert "use another --seed" in capsys.readouterr().err
+    assert json.loads((tmp_path / "again.json").read_text())["server_prefix_cache_hit_rate"] > 0.5
     cold, shared = (json.loads((tmp_path / f).read_text()) for f in ("w.json", "p.json"))
     assert cold["completed"] == 3 and cold["server_prefix_cache_hit_rate"] == 0
     assert server["vllm:prefix_cache_queries_total"] >= 4 * 90 and server["vllm:prefix_cache_hits_total"] == 0

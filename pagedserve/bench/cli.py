@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 from pathlib import Path
 
 from pagedserve.errors import ConfigError
@@ -94,6 +95,11 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
                       num_warmups=ns.num_warmups, api_key=ns.api_key, show_progress=not ns.disable_tqdm)
     result = asyncio.run(run_benchmark(cfg, samples, percentiles, pct_metrics, goodput))
     print(format_table(result, pct_metrics, percentiles))
+    hits = result.get("server_prefix_cache_hit_rate")
+    if hits and ns.dataset_name == "random" and not ns.random_prefix_len:
+        print(f"Note: {100 * hits:.0f} % of the prompt tokens were found in the server's prefix cache, though these "
+              f"random prompts share nothing: most likely a run before this one sent them (same --seed). Their "
+              f"TTFT is not a prefill's; use another --seed, or POST /reset_prefix_cache first.", file=sys.stderr)
     rate = "inf" if math.isinf(ns.request_rate) else f"{ns.request_rate:g}"
     conc = f"-concurrency{ns.max_concurrency}" if ns.max_concurrency else ""
     _save(ns, result, f"openai-{rate}qps{conc}-{model.split('/')[-1]}-{result['date']}.json")
