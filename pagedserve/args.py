@@ -1,6 +1,6 @@
 """Command-line pieces every subcommand shares: engine flags generated from ``EngineArgs`` (so the CLI,
 the offline API and config validation share one list of names, defaults and help), the parser class
-(every default shown; ``--config FILE``), and logging."""
+(every default shown; ``--config FILE``), output files, and logging."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import sys
 import typing
+from pathlib import Path
 
 from pagedserve.config import EngineArgs
 from pagedserve.errors import ConfigError
@@ -56,6 +58,23 @@ def engine_flags(args: EngineArgs) -> list[str]:
         else:
             flags += [name, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
+
+
+def output_path(path: str | None, flag: str) -> Path | None:
+    """A file a command writes when its work is done, made ready before the work starts: its folder is created
+    now, and a path that cannot be written fails now, naming ``flag``, not after minutes of work."""
+    if path is None:
+        return None
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: its folder cannot be created ({e.strerror}).") from None
+    if out.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; give a file name.")
+    if not os.access(out.parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: its folder is not writable.")
+    return out
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -10,6 +10,7 @@ from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.errors import ConfigError
 from pagedserve.memory import GiB, compute_budget
 from pagedserve.builtin.known_models import KNOWN_MODELS
+from pagedserve.cli import main
 
 
 def config_error(**kwargs) -> str:
@@ -95,3 +96,15 @@ def test_budget_arithmetic():
     assert b.num_blocks == b.kv_cache_bytes // (16 * per_token)
     assert b.max_concurrency() == pytest.approx(b.num_blocks / 512)
     assert any("KV cache size:" in line for line in b.report_lines())
+
+
+@pytest.mark.parametrize("command", [["bench", "latency", "--model", "tiny"], ["calibrate", "tiny"]])
+def test_an_output_file_that_cannot_be_written_fails_before_the_work(tmp_path, capsys, command):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    flag = "--output" if command[0] == "calibrate" else "--output-json"
+    for bad, why in ((blocker / "x.json", "cannot be created"), (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit):
+            main([*command, flag, str(bad)])
+        err = capsys.readouterr().err
+        assert f"{flag} {bad}" in err and why in err and "Traceback" not in err

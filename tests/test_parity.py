@@ -198,7 +198,7 @@ def test_chat_template_options(server):
 
 
 def test_bench_latency(tmp_path):
-    out = tmp_path / "lat.json"
+    out = tmp_path / "new" / "lat.json"  # the folder is made
     main(["bench", "latency", "--model", "tiny", "--kv-cache-memory", "16MiB", "--input-len", "16", "--output-len",
           "8", "--batch-size", "2", "--num-iters-warmup", "1", "--num-iters", "3", "--output-json", str(out)])
     r = json.loads(out.read_text())

@@ -41,6 +41,12 @@ def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: boo
                             "Without one, random prompts are sent as token ids.")
 
 
+def _write_json(path: Path | None, result: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps(result, indent=2))
+        print(f"Saved the result to {path}")
+
+
 def _save(ns, result: dict, default_name: str) -> None:
     if not (ns.save_result or ns.result_filename or ns.result_dir):
         return
@@ -151,9 +157,10 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> None:
     from pagedserve import LLM
     from pagedserve.bench.datasets import announce_dataset, load_dataset
     from pagedserve.bench.throughput import run_throughput
-    from pagedserve.args import engine_args_from
+    from pagedserve.args import engine_args_from, output_path
 
     announce_dataset(ns)
+    out = output_path(ns.output_json, "--output-json")
     args = engine_args_from(ns)
     llm = LLM(**dataclasses.asdict(args))
     samples = load_dataset(ns, llm.get_tokenizer())
@@ -164,9 +171,7 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> None:
     print(f"Total num output tokens:  {result['total_output_tokens']}")
     print(f"Preemptions: {result['num_preemptions']}; peak device memory: "
           f"{result['peak_device_memory_bytes'] / 2**30:.2f} GiB")
-    if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps(result, indent=2))
-        print(f"Saved the result to {ns.output_json}")
+    _write_json(out, result)
 
 
 def cmd_bench_latency(ns: argparse.Namespace) -> None:
@@ -174,28 +179,26 @@ def cmd_bench_latency(ns: argparse.Namespace) -> None:
 
     from pagedserve import LLM
     from pagedserve.bench.latency import format_result, run_latency
-    from pagedserve.args import engine_args_from
+    from pagedserve.args import engine_args_from, output_path
 
+    out = output_path(ns.output_json, "--output-json")
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     result = run_latency(llm, ns.input_len, ns.output_len, ns.batch_size, ns.num_iters_warmup, ns.num_iters, ns.seed)
     print(format_result(result))
-    if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps(result, indent=2))
-        print(f"Saved the result to {ns.output_json}")
+    _write_json(out, result)
 
 
 def cmd_bench_quality(ns: argparse.Namespace) -> None:
     import dataclasses
 
     from pagedserve.bench.quality import run_quality
-    from pagedserve.args import engine_args_from
+    from pagedserve.args import engine_args_from, output_path
 
+    out = output_path(ns.output_json, "--output-json")
     result = run_quality(engine_args_from(ns), ns.reference_kv_cache_dtype, ns.num_prompts, ns.max_tokens,
                          ns.top_logprobs, ns.min_agreement, ns.max_logprob_diff, ns.max_perplexity_increase)
     print(result.text())
-    if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps(dataclasses.asdict(result), indent=2))
-        print(f"Saved the result to {ns.output_json}")
+    _write_json(out, dataclasses.asdict(result))
     if not result.passed:
         raise SystemExit(1)  # scripts can gate a profile's fp8 step on it
 

@@ -264,13 +264,14 @@ def calibrate(args, log=print) -> Calibration:
 
 
 def cmd_calibrate(ns: argparse.Namespace) -> None:
-    from pagedserve.args import engine_args_from
+    from pagedserve.args import engine_args_from, output_path
 
     args = engine_args_from(ns)
     if args.tensor_parallel_size != 1:
         raise ConfigError("--tensor-parallel-size: calibrate times one GPU; the simulator models one GPU.")
+    out = output_path(ns.output, "--output")
     cal = calibrate(args)
-    cal.save(ns.output)
+    cal.save(out)
     print(cal.describe())
     print(f"Wrote {ns.output}; use it with `pagedserve bench sweep --model {args.model} --simulate {ns.output}` or "
           f"`pagedserve tune {args.model} --simulate {ns.output}`.")
