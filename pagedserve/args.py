@@ -60,20 +60,27 @@ def engine_flags(args: EngineArgs) -> list[str]:
     return flags
 
 
+def output_dir(path: str | Path, flag: str, given: str | None = None) -> Path:
+    """A folder a command writes into when its work is done, created before the work starts: one that cannot
+    be fails now, naming ``flag`` (and ``given``, what the user gave it), not after minutes of work."""
+    folder, given = Path(path), given or str(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {given}: the folder {folder} cannot be created ({e.strerror}).") from None
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {given}: the folder {folder} is not writable.")
+    return folder
+
+
 def output_path(path: str | None, flag: str) -> Path | None:
-    """A file a command writes when its work is done, made ready before the work starts: its folder is created
-    now, and a path that cannot be written fails now, naming ``flag``, not after minutes of work."""
+    """A file a command writes when its work is done, its folder made ready now (``output_dir``)."""
     if path is None:
         return None
     out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: its folder cannot be created ({e.strerror}).") from None
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a folder; give a file name.")
-    if not os.access(out.parent, os.W_OK):
-        raise ConfigError(f"{flag} {path}: its folder is not writable.")
+    output_dir(out.parent, flag, path)
     return out
 
 

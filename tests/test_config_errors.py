@@ -108,3 +108,13 @@ def test_an_output_file_that_cannot_be_written_fails_before_the_work(tmp_path, c
             main([*command, flag, str(bad)])
         err = capsys.readouterr().err
         assert f"{flag} {bad}" in err and why in err and "Traceback" not in err
+
+
+def test_a_result_folder_that_cannot_be_made_fails_before_the_work(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for command in (["bench", "serve", "--base-url", "http://127.0.0.1:9"], ["bench", "sweep", "--model", "tiny"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--result-dir", str(blocker / "out")])
+        err = capsys.readouterr().err
+        assert f"--result-dir {blocker / 'out'}" in err and "cannot be created" in err and "Traceback" not in err

@@ -47,17 +47,15 @@ def _write_json(path: Path | None, result: dict) -> None:
         print(f"Saved the result to {path}")
 
 
-def _save(ns, result: dict, default_name: str) -> None:
-    if not (ns.save_result or ns.result_filename or ns.result_dir):
-        return
-    folder = Path(ns.result_dir or ".")
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / (ns.result_filename or default_name)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"Saved the result to {path}")
+def _save(folder: Path | None, name: str | None, result: dict, default_name: str) -> None:
+    if folder is not None:
+        path = folder / (name or default_name)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"Saved the result to {path}")
 
 
 def cmd_bench_serve(ns: argparse.Namespace) -> None:
+    from pagedserve.args import output_dir
     from pagedserve.bench.datasets import (LENGTH_DATASETS, announce_dataset, client_tokenizer, load_dataset,
                                            replayed_lengths, require_recording)
     from pagedserve.bench.metrics import METRIC_KEYS, parse_goodput
@@ -86,6 +84,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
         raise ConfigError("--replay-arrivals sends each request when it was recorded; leave out --request-rate "
                           "(use --replay-speed to replay faster or slower).")
     announce_dataset(ns)
+    saved = ns.save_result or ns.result_filename or ns.result_dir
+    folder = output_dir(ns.result_dir or ".", "--result-dir") if saved else None
     base = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
     model = ns.model or served_model(base, ns.api_key)
     ns.model = model
@@ -108,7 +108,7 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
               f"TTFT is not a prefill's; use another --seed, or POST /reset_prefix_cache first.", file=sys.stderr)
     rate = "inf" if math.isinf(ns.request_rate) else f"{ns.request_rate:g}"
     conc = f"-concurrency{ns.max_concurrency}" if ns.max_concurrency else ""
-    _save(ns, result, f"openai-{rate}qps{conc}-{model.split('/')[-1]}-{result['date']}.json")
+    _save(folder, ns.result_filename, result, f"openai-{rate}qps{conc}-{model.split('/')[-1]}-{result['date']}.json")
 
 
 def cmd_bench_sweep(ns: argparse.Namespace) -> None:

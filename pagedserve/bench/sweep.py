@@ -286,9 +286,9 @@ def samples_factory(ns: argparse.Namespace, tokenizer) -> Callable[[int, int], l
 
 
 def result_dir(path: str | None, command: str = "sweep") -> Path:
-    folder = Path(path or f"results/{command}-{time.strftime('%Y%m%d-%H%M%S')}")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+    from pagedserve.args import output_dir
+
+    return output_dir(path or f"results/{command}-{time.strftime('%Y%m%d-%H%M%S')}", "--result-dir")
 
 
 def _float_list(text: str, flag: str) -> list[float]:
