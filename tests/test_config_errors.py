@@ -118,3 +118,18 @@ def test_a_result_folder_that_cannot_be_made_fails_before_the_work(tmp_path, cap
             main([*command, "--result-dir", str(blocker / "out")])
         err = capsys.readouterr().err
         assert f"--result-dir {blocker / 'out'}" in err and "cannot be created" in err and "Traceback" not in err
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, why in ((["--port", str(port)], "cannot listen there"), (["--host", "no-such-host.invalid"],
+                                                                             "no such address")):
+            with pytest.raises(SystemExit):
+                main(["serve", "tiny", *flags])
+            err = capsys.readouterr().err
+            assert why in err and "Traceback" not in err

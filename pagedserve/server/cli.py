@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -170,6 +171,24 @@ def load_chat_template(value: str | None) -> str | None:
     return text
 
 
+def check_listen(host: str, port: int) -> None:
+    """Fail before the model loads where the server could not listen: a host that does not resolve, or an
+    address already in use (uvicorn would find out only after the weights and the KV cache are up)."""
+    from pagedserve.errors import ConfigError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: no such address ({e.strerror}).") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); is another "
+                              f"server on that port? Choose another --port.") from None
+
+
 def build_server(ns: argparse.Namespace, worker=None):
     """The engine, the app and a configured uvicorn server (not yet running); ``worker`` as for
     ``EngineBase``."""
@@ -208,6 +227,7 @@ def build_server(ns: argparse.Namespace, worker=None):
                           f"e.g. /llm.")
     if not 0 < ns.port < 65536:
         raise ConfigError(f"--port {ns.port} is not a TCP port.")
+    check_listen(ns.host, ns.port)
     config = engine_args_from(ns).create_config(serving=True)
     if profiles is not None:
         from pagedserve.tune.profiles import check_against_engine
