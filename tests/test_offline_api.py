@@ -32,6 +32,11 @@ def test_prompt_forms_and_order(llm):
     assert salted.prompt == text[0] and salted.outputs[0].token_ids == by_text[0].outputs[0].token_ids
     with pytest.raises(InvalidRequestError, match="cache_salt"):
         llm.generate({"prompt": "x", "prompt_token_ids": [1]}, params, use_tqdm=False)
+    assert llm.generate([tuple(tok.encode(text[2]))], params, use_tqdm=False)[0].outputs[0].token_ids == \
+        by_text[2].outputs[0].token_ids
+    for bad in (None, 3.5, {"prompt_token_ids": None}):
+        with pytest.raises(InvalidRequestError, match="text, a list of token ids or a prompt dict"):
+            llm.generate([bad], params, use_tqdm=False)
     for o in by_text:
         assert o.finished and o.outputs[0].finish_reason == "length"
         assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
@@ -145,6 +150,12 @@ def test_chat_applies_template(llm):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     out = llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=tools)[0]
     assert out.prompt_token_ids == tok.encode("[get_weather]What is the capital of France?", add_special_tokens=False)
+    # a turn without content renders empty; a message that is no dict with a role is refused by name
+    empty = llm.chat([{"role": "user"}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert empty.prompt_token_ids == tok.encode("<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n",
+                                                add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match="Message 1 is not a dict"):
+        llm.chat([msgs[0], "hello"], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -97,8 +97,11 @@ class InputProcessor:
         if template is None and tok.chat_template is None:
             raise InvalidRequestError("messages", "This model's tokenizer has no chat template; use /v1/completions "
                                                   "or start the server with --chat-template.")
-        for m in messages:
-            self.check_text(m["content"], "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise InvalidRequestError("messages", f"Message {i} is not a dict with a \"role\": {m!r:.80}.")
+            if isinstance(m.get("content"), str):  # None (or left out): an empty turn, as the template renders it
+                self.check_text(m["content"], "messages")
         try:
             text = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
                                            add_generation_prompt=add_generation_prompt, **kwargs)
@@ -136,10 +139,13 @@ class InputProcessor:
         vocab = self.config.model.vocab_size
         if isinstance(prompt, str):
             text, ids = prompt, self.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
                 raise InvalidRequestError("prompt", f"Token ids must be integers in [0, {vocab}).")
+        else:
+            raise InvalidRequestError("prompt", f"A prompt is text, a list of token ids or a prompt dict, not "
+                                                f"{type(prompt).__name__}.")
         if not ids:
             raise InvalidRequestError("prompt", "The prompt is empty.")
         if params.logit_bias and max(params.logit_bias) >= vocab:
