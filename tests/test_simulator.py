@@ -316,7 +316,12 @@ def test_a_calibration_of_another_model_or_kv_dtype_is_refused(tmp_path, capsys)
     assert "pagedserve calibrate tiny --load-format dummy --kv-cache-dtype fp8" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "sweep", "--model", "tiny", "--simulate", "h200-qwen3-8b-bf16", "--result-dir", str(tmp_path / "y")])
-    assert "measured with Qwen/Qwen3-8B" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "measured with Qwen/Qwen3-8B" in err and "shipped" not in err  # none ships for the tiny model
+    with pytest.raises(SystemExit):  # one that ships for the pair is named
+        main(["bench", "sweep", "--model", "Qwen/Qwen3-0.6B", "--serve-args", "--load-format dummy", "--simulate",
+              "h200-qwen3-8b-bf16", "--result-dir", str(tmp_path / "z")])
+    assert "shipped, h100-qwen3-0.6b-bf16, h200-qwen3-0.6b-bf16;" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "sweep", "--base-url", "http://127.0.0.1:9", "--simulate", cal])
     assert "--simulate" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import numpy as np
 from pagedserve.bench.datasets import SampleRequest
 from pagedserve.errors import ConfigError
 from pagedserve.memory import GiB, dtype_name
-from pagedserve.sim.cost import Calibration, load_calibration
+from pagedserve.sim.cost import Calibration, load_calibration, shipped
 from pagedserve.sim.load import simulate_load
 
 
@@ -73,10 +73,13 @@ class Simulation:
         cal = self.calibration
         kv = dtype_name(config.kv_dtype)
         if args.model != cal.model or kv != cal.kv_cache_dtype:
+            fits = [name for name in sorted(shipped())
+                    if (c := load_calibration(name)).model == args.model and c.kv_cache_dtype == kv]
             raise ConfigError(f"--simulate {self.source} was measured with {cal.model} and a {cal.kv_cache_dtype} KV "
                               f"cache; this ladder runs {model} with a {kv} KV cache. Use a calibration of that "
-                              f"pair: `pagedserve calibrate {model} --load-format dummy "
-                              f"--kv-cache-dtype {args.kv_cache_dtype} --output FILE` on the GPU.")
+                              f"pair: {'shipped, ' + ', '.join(fits) + '; or ' if fits else ''}`pagedserve calibrate "
+                              f"{model} --load-format dummy --kv-cache-dtype {args.kv_cache_dtype} --output FILE` on "
+                              f"the GPU.")
         plan = make_plan(args, gpu_memory_gib=self.gpu_memory_bytes / GiB)
         if plan.failures:
             raise ConfigError(f"The simulated server would not start: {plan.failures[0]}")
