@@ -205,10 +205,15 @@ def test_stop_strings_are_never_streamed(client):
     assert "".join(p.text for p in pieces) == want and pieces[-1].finish_reason == "stop"
 
 
-def test_models_health_version(server):
+def test_models_health_version(server, client):
     url = server[0]
     models = httpx.get(f"{url}/v1/models").json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 1024
+    assert client.models.retrieve("tiny").id == "tiny"  # OpenAI's retrieve
+    missing = httpx.get(f"{url}/v1/models/Qwen/Qwen3-8B")
+    assert missing.status_code == 404 and "does not exist" in missing.json()["error"]["message"]
+    both = httpx.post(f"{url}/tokenize", json={"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]})
+    assert both.status_code == 400 and "one of them" in both.json()["error"]["message"]
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/version").json()["version"]
 

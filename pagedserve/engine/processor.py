@@ -80,8 +80,8 @@ class InputProcessor:
             raise InvalidRequestError(param, f"The {param} is not valid Unicode text: {e.reason} "
                                              f"({text[e.start:e.end]!r} at character {e.start}).") from None
         if len(text) > self.max_prompt_chars:
-            raise InvalidRequestError(param, f"The {param} has {len(text):,} characters, so more than this model's "
-                                             f"maximum context of {self.config.max_model_len} tokens.")
+            raise InvalidRequestError(param, f"{param.capitalize()}: {len(text):,} characters, so more tokens than "
+                                             f"this model's maximum context of {self.config.max_model_len}.")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tok = self._need_tokenizer("Text prompts")

@@ -1,4 +1,4 @@
-"""OpenAI's API: ``/v1/completions``, ``/v1/chat/completions`` (streamed as SSE or not) and ``/v1/models``; and
+"""OpenAI's API: ``/v1/completions``, ``/v1/chat/completions`` (streamed as SSE or not) and ``/v1/models[/NAME]``; and
 SageMaker's ``/invocations``, which takes either request."""
 
 from __future__ import annotations
@@ -201,12 +201,20 @@ async def invocations(raw: Request, state: ServerState = Depends(server_state)):
     return await handler(request, raw, state)
 
 
+def _model_card(state: ServerState, name: str) -> dict:
+    config = state.engine.config
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
+            "root": config.source.name, "max_model_len": config.max_model_len}
+
+
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(server_state)):
-    config = state.engine.config
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
-         "root": config.source.name, "max_model_len": config.max_model_len} for name in state.served]}
+    return {"object": "list", "data": [_model_card(state, name) for name in state.served]}
+
+
+@router.get("/v1/models/{name:path}")  # OpenAI's retrieve; a served name may hold a slash (Qwen/Qwen3-8B)
+async def model(name: str, state: ServerState = Depends(server_state)):
+    return _model_card(state, state.check_model(name))
 
 
 class _Usage:

@@ -47,14 +47,14 @@ async def prometheus(state: ServerState = Depends(server_state)):
 async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)):
     state.check_model(body.model)
     inputs = state.engine.inputs
+    if (body.messages is None) == (body.prompt is None):
+        raise InvalidRequestError("prompt", "Give either prompt or messages (one of them).")
     if body.messages is not None:
         messages = [m.as_dict() for m in body.messages]
         args = template_args(body, state.settings.trust_request_chat_template, body.tools)
         tokens = await asyncio.to_thread(inputs.apply_chat_template, messages, **args)
-    elif body.prompt is not None:
-        tokens = await asyncio.to_thread(inputs.encode, body.prompt, body.add_special_tokens)
     else:
-        raise InvalidRequestError("prompt", "Give either prompt or messages.")
+        tokens = await asyncio.to_thread(inputs.encode, body.prompt, body.add_special_tokens)
     answer = {"count": len(tokens), "max_model_len": state.engine.config.max_model_len, "tokens": tokens}
     if body.return_token_strs:
         answer["token_strs"] = inputs.tokenizer.convert_ids_to_tokens(tokens)
