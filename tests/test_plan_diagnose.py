@@ -195,4 +195,6 @@ def test_diagnose_cli_against_a_running_server(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["situation"] is None and out["evidence"]
     main(["diagnose", "--url", "http://127.0.0.1:9", "--window", "0", "--json"])
-    assert json.loads(capsys.readouterr().out)["situation"] == 1
+    down = json.loads(capsys.readouterr().out)
+    assert down["situation"] == 1 and "listens at http://127.0.0.1:9" in down["first_change"]
+    assert "http://127.0.0.1:9/metrics (last try: ConnectError" in down["evidence"][0]

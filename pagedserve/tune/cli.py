@@ -28,8 +28,8 @@ def cmd_plan(ns: argparse.Namespace) -> None:
 def cmd_diagnose(ns: argparse.Namespace) -> None:
     from pagedserve.tune.diagnose import diagnose, scrape_window
 
-    samples = scrape_window(ns.url, ns.window, ns.interval)
-    result = diagnose(samples, ns.max_num_seqs, ns.url.rstrip("/"))
+    samples, failed = scrape_window(ns.url, ns.window, ns.interval)
+    result = diagnose(samples, ns.max_num_seqs, ns.url.rstrip("/"), failed)
     print(json.dumps(dataclasses.asdict(result), indent=2) if ns.json else result.text())
 
 

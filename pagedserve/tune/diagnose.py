@@ -63,13 +63,17 @@ def _mean(samples, key_sum, key_count) -> float | None:
     return (samples[-1][key_sum] - samples[0][key_sum]) / n if n > 0 else None
 
 
-def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, url: str = "URL") -> Diagnosis:
-    """Classify a window of scrapes (oldest first). An empty list means the server could not be read."""
+def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, url: str = "URL",
+             unreachable: str | None = None) -> Diagnosis:
+    """Classify a window of scrapes (oldest first). An empty list means the server could not be read
+    (``unreachable``: why the last scrape failed)."""
     if not samples:
         return Diagnosis(1, "start-up failure: the server does not answer /metrics",
-                         "read the server's start-up log: it names the memory that did not fit; run "
-                         "`pagedserve plan MODEL --gpu ...` with the same flags to see the budget before starting",
-                         ["no metrics could be scraped"])
+                         f"check that the server runs and listens at {url}; if it exited, read its start-up log: it "
+                         f"names the memory that did not fit; run `pagedserve plan MODEL --gpu ...` with the same "
+                         f"flags to see the budget before starting",
+                         [f"no metrics could be scraped from {url}/metrics"
+                          + (f" (last try: {unreachable})" if unreachable else "")])
     first, last = samples[0], samples[-1]
     preempted = last.get("preemptions", 0.0) - first.get("preemptions", 0.0)
     kv_peak = max(s.get("kv_usage", 0.0) for s in samples)
@@ -137,18 +141,21 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
                      evidence)
 
 
-def scrape_window(url: str, seconds: float, interval: float = 1.0) -> list[dict[str, float]]:
+def scrape_window(url: str, seconds: float, interval: float = 1.0) -> tuple[list[dict[str, float]], str | None]:
+    """The scrapes of ``url``'s /metrics over ``seconds``, and why the last failed one failed (None: none did)."""
     import httpx
 
-    samples = []
+    samples, failed = [], None
     end = time.monotonic() + seconds
     while True:
         try:
             r = httpx.get(url.rstrip("/") + "/metrics", timeout=5)
             if r.status_code == 200:
                 samples.append(parse_sample(r.text, time.monotonic()))
-        except httpx.HTTPError:
-            pass
+            else:
+                failed = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            failed = f"{type(e).__name__}: {e}"
         if time.monotonic() >= end:
-            return samples
+            return samples, failed
         time.sleep(interval)
