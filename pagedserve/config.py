@@ -11,8 +11,10 @@ import dataclasses
 import importlib.util
 import json
 import math
+import numbers
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -287,6 +289,13 @@ def _arg(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+# what a value of each annotated type may be (a bool is no number here), and how an error names it
+_KINDS = {bool: (lambda v: isinstance(v, bool), "true or false"),
+          int: (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+          float: (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+          str: (lambda v: isinstance(v, str), "a string"), dict: (lambda v: isinstance(v, dict), "a dict")}
+
+
 @dataclass
 class EngineArgs:
     """Engine arguments with vLLM's names. ``None`` means "derive a default"."""
@@ -298,7 +307,7 @@ class EngineArgs:
     load_format: str = _arg("auto", "auto/safetensors: read *.safetensors; dummy: random weights of the architecture.")
     seed: int = _arg(0, "Seed for dummy weights and for sampling without a per-request seed.")
     generation_config: str = _arg("auto", "Default sampling parameters for requests that leave them unset: auto (the model folder's generation_config.json, as its authors recommend: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; its eos_token_id also ends a sequence), vllm (neutral defaults; the file is ignored), or a folder with a generation_config.json.")
-    override_generation_config: str | None = _arg(None, "Sampling defaults over the generation config's, as JSON, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' (keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): merged onto the model's file with --generation-config auto, used alone with vllm.")
+    override_generation_config: str | dict | None = _arg(None, "Sampling defaults over the generation config's, as JSON (a dict from Python), e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' (keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): merged onto the model's file with --generation-config auto, used alone with vllm.")
     reasoning_parser: str | None = _arg(None, "A reasoning model's <think> convention: qwen3 (Qwen3) or deepseek_r1 (DeepSeek-R1, QwQ). The server returns the reasoning apart from the answer (reasoning_content), and a structured-output grammar holds only from the end of the reasoning.")
     max_model_len: int | None = _arg(None, "Context length (prompt + output); accepts 8k-style values. Default: the model's max_position_embeddings.", size=True)
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
@@ -324,11 +333,25 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    def _check_types(self) -> None:
+        """Each value of its field's type: the CLI converts its strings, but ``LLM(...)`` takes what a caller
+        passes (a size also takes a string such as 8k or 4GiB, parsed later)."""
+        hints = typing.get_type_hints(EngineArgs)
+        for f in dataclasses.fields(self):
+            value, kinds = getattr(self, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+            if (value is None and type(None) in kinds) or (f.metadata.get("size") and isinstance(value, str)):
+                continue
+            checks = [_KINDS[k] for k in kinds if k is not type(None)]
+            if not any(ok(value) for ok, _ in checks):
+                raise ConfigError(f"{flag(f.name)}: {value!r} is not {' or '.join(w for _, w in checks)}"
+                                  f"{' (or None)' if type(None) in kinds else ''}.")
+
     def create_config(self, plan_for: str | None = None, serving: bool = False) -> "EngineConfig":
         """Resolve every default and validate every value; the one place config errors come from.
         ``plan_for="cuda"`` resolves as the engine would on a GPU that this machine need not have (the
         planner's case; weights are never read then). ``serving``: the engine behind ``pagedserve serve``,
         whose defaults put the running streams' latency first (the offline engine's, throughput)."""
+        self._check_types()
         if self.trust_remote_code:
             raise ConfigError(f"{flag('trust_remote_code')}: pagedserve never runs code from a model folder; it serves "
                               f"Llama, Mistral, Qwen2 and Qwen3 from config.json and the weights alone. Leave the "

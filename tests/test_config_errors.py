@@ -133,3 +133,16 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(c
                 main(["serve", "tiny", *flags])
             err = capsys.readouterr().err
             assert why in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization (--gpu-memory-utilization): '0.9' is not a number"),
+    (dict(enable_prefix_caching="no"), "'no' is not true or false"),  # a truthy string must not mean on
+    (dict(max_num_seqs=4.5), "4.5 is not an integer (or None)"),
+    (dict(seed="x"), "seed (--seed): 'x' is not an integer"),
+    (dict(tokenizer=3), "3 is not a string (or None)"),
+])
+def test_llm_arguments_of_the_wrong_type_are_named(kwargs, words):
+    with pytest.raises(ConfigError) as e:
+        LLM("tiny", **kwargs)
+    assert words in str(e.value)
