@@ -11,16 +11,15 @@ import dataclasses
 import importlib.util
 import json
 import math
-import numbers
 import os
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagedserve.checks import wrong_type
 from pagedserve.errors import ConfigError, InvalidRequestError
 from pagedserve.reasoning import REASONING_PARSERS
 from pagedserve.sampling_params import SamplingParams
@@ -289,12 +288,6 @@ def _arg(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-# what a value of each annotated type may be (a bool is no number here), and how an error names it
-_KINDS = {bool: (lambda v: isinstance(v, bool), "true or false"),
-          int: (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
-          float: (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
-          str: (lambda v: isinstance(v, str), "a string"), dict: (lambda v: isinstance(v, dict), "a dict")}
-
 
 @dataclass
 class EngineArgs:
@@ -336,15 +329,9 @@ class EngineArgs:
     def _check_types(self) -> None:
         """Each value of its field's type: the CLI converts its strings, but ``LLM(...)`` takes what a caller
         passes (a size also takes a string such as 8k or 4GiB, parsed later)."""
-        hints = typing.get_type_hints(EngineArgs)
-        for f in dataclasses.fields(self):
-            value, kinds = getattr(self, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
-            if (value is None and type(None) in kinds) or (f.metadata.get("size") and isinstance(value, str)):
-                continue
-            checks = [_KINDS[k] for k in kinds if k is not type(None)]
-            if not any(ok(value) for ok, _ in checks):
-                raise ConfigError(f"{flag(f.name)}: {value!r} is not {' or '.join(w for _, w in checks)}"
-                                  f"{' (or None)' if type(None) in kinds else ''}.")
+        wrong = wrong_type(self, lambda f, v: f.metadata.get("size") and isinstance(v, str))
+        if wrong:
+            raise ConfigError(f"{flag(wrong[0])}: {getattr(self, wrong[0])!r} is not {wrong[1]}.")
 
     def create_config(self, plan_for: str | None = None, serving: bool = False) -> "EngineConfig":
         """Resolve every default and validate every value; the one place config errors come from.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from pagedserve.checks import wrong_type
 from pagedserve.errors import InvalidRequestError
 
 
@@ -41,6 +42,9 @@ class SamplingParams:
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(param, f"{param} {why}, got {getattr(self, param)!r}.")
 
+        wrong = wrong_type(self)
+        if wrong:
+            raise bad(wrong[0], f"must be {wrong[1]}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be a positive integer")
         if not self.temperature >= 0.0:
@@ -66,11 +70,15 @@ class SamplingParams:
             raise bad("prompt_logprobs", "must be in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise bad("stop", "must be a string or a list of strings")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", "must be non-empty strings")
         self._stop = tuple(stops)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be token ids")
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:

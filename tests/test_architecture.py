@@ -81,9 +81,11 @@ def test_the_model_side_never_imports_the_layers_above_it():
 def test_config_and_the_memory_budget_sit_below_everything_they_describe():
     graph = import_graph()
     # sampling_params: config checks a model's recommended sampling defaults by the requests' own rules;
-    # reasoning: the reasoning parsers' names (a module that imports nothing of pagedserve)
+    # reasoning: the reasoning parsers' names; checks: values against their fields' types (both import
+    # nothing of pagedserve)
     below = {"pagedserve.errors", "pagedserve.config", "pagedserve.builtin.known_models", "pagedserve.builtin.tiny",
-             "pagedserve.sampling_params", "pagedserve.reasoning"}
+             "pagedserve.sampling_params", "pagedserve.reasoning", "pagedserve.checks"}
     for m in ("pagedserve.config", "pagedserve.memory"):
         assert graph[m] <= below, (m, graph[m] - below)
-    assert graph["pagedserve.sampling_params"] <= {"pagedserve.errors"} and not graph["pagedserve.reasoning"]
+    assert graph["pagedserve.sampling_params"] <= {"pagedserve.errors", "pagedserve.checks"}
+    assert not graph["pagedserve.reasoning"] and not graph["pagedserve.checks"]

@@ -164,6 +164,10 @@ def test_chat_applies_template(llm):
     (dict(n=0), "n"), (dict(stop=[""]), "stop"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={5: 101}), "logit_bias"),
     (dict(logit_bias={-1: 1}), "logit_bias"),
+    # of the wrong type, as a Python caller may pass them
+    (dict(temperature="hot"), "temperature"), (dict(max_tokens="5"), "max_tokens"), (dict(stop=5), "stop"),
+    (dict(logprobs=True), "logprobs"), (dict(ignore_eos="yes"), "ignore_eos"), (dict(top_k=2.5), "top_k"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids"),
 ])
 def test_invalid_sampling_params(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
