@@ -329,7 +329,7 @@ class EngineArgs:
     def _check_types(self) -> None:
         """Each value of its field's type: the CLI converts its strings, but ``LLM(...)`` takes what a caller
         passes (a size also takes a string such as 8k or 4GiB, parsed later)."""
-        wrong = wrong_type(self, lambda f, v: f.metadata.get("size") and isinstance(v, str))
+        wrong = wrong_type(self, lambda name, v: isinstance(v, str) and name in _SIZE_FIELDS)
         if wrong:
             raise ConfigError(f"{flag(wrong[0])}: {getattr(self, wrong[0])!r} is not {wrong[1]}.")
 
@@ -457,6 +457,10 @@ class EngineArgs:
         raise ConfigError(
             f"{flag('kv_cache_dtype')}: {self.kv_cache_dtype!r} is not one of auto, "
             f"{', '.join([*_DTYPES, *_KV_DTYPES])}.")
+
+
+# the fields that also take a size as text (8k, 4GiB)
+_SIZE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs) if f.metadata.get("size"))
 
 
 @dataclass(frozen=True)
