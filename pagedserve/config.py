@@ -322,6 +322,11 @@ class EngineArgs:
     trust_remote_code: bool = _arg(False, "Accepted for vLLM compatibility, and refused: pagedserve never runs code from a model folder.")
     quantization: str | None = _arg(None, "Accepted for vLLM compatibility: only none (16/32-bit weights) runs here; --kv-cache-dtype fp8 halves the KV cache.")
 
+    def __post_init__(self) -> None:
+        for name in ("model", "tokenizer", "generation_config"):  # folders, which a Python caller may give as Paths
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}

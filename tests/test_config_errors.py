@@ -146,3 +146,7 @@ def test_llm_arguments_of_the_wrong_type_are_named(kwargs, words):
     with pytest.raises(ConfigError) as e:
         LLM("tiny", **kwargs)
     assert words in str(e.value)
+
+
+def test_a_model_folder_may_be_a_path(tiny_path):
+    assert LLM(tiny_path, kv_cache_memory="16MiB").engine.config.source.name == str(tiny_path)
