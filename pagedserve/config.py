@@ -288,7 +288,6 @@ def _arg(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-
 @dataclass
 class EngineArgs:
     """Engine arguments with vLLM's names. ``None`` means "derive a default"."""

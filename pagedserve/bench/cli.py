@@ -47,13 +47,6 @@ def _write_json(path: Path | None, result: dict) -> None:
         print(f"Saved the result to {path}")
 
 
-def _save(folder: Path | None, name: str | None, result: dict, default_name: str) -> None:
-    if folder is not None:
-        path = folder / (name or default_name)
-        path.write_text(json.dumps(result, indent=2))
-        print(f"Saved the result to {path}")
-
-
 def cmd_bench_serve(ns: argparse.Namespace) -> None:
     from pagedserve.args import output_dir
     from pagedserve.bench.datasets import (LENGTH_DATASETS, announce_dataset, client_tokenizer, load_dataset,
@@ -108,7 +101,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
               f"TTFT is not a prefill's; use another --seed, or POST /reset_prefix_cache first.", file=sys.stderr)
     rate = "inf" if math.isinf(ns.request_rate) else f"{ns.request_rate:g}"
     conc = f"-concurrency{ns.max_concurrency}" if ns.max_concurrency else ""
-    _save(folder, ns.result_filename, result, f"openai-{rate}qps{conc}-{model.split('/')[-1]}-{result['date']}.json")
+    name = ns.result_filename or f"openai-{rate}qps{conc}-{model.split('/')[-1]}-{result['date']}.json"
+    _write_json(folder / name if folder else None, result)
 
 
 def cmd_bench_sweep(ns: argparse.Namespace) -> None:
