@@ -67,16 +67,21 @@ def random_dataset(num_prompts: int, input_len: int, output_len: int, range_rati
     return _random_prompts(rng, allowed, [prefix] * num_prompts, in_lens, out_lens, tokenizer)
 
 
+@functools.lru_cache(maxsize=4)
 def _allowed_ids(tokenizer) -> np.ndarray:
     """The token ids random prompts are made of: the first 256 without a tokenizer; with one, every id that is
     not special and decodes to text of its own. A lone byte of a multi-byte character decodes to U+FFFD:
-    runs of those re-encode to the same text, and prompts made of them would share their prefix blocks."""
+    runs of those re-encode to the same text, and prompts made of them would share their prefix blocks.
+    Once a tokenizer (decoding a whole vocabulary is not free, and a ladder draws prompts every rung)."""
     if tokenizer is None:
-        return np.arange(NO_TOKENIZER_VOCAB)
-    special = set(tokenizer.all_special_ids)
-    ids = [i for i in range(len(tokenizer)) if i not in special]
-    texts = tokenizer.batch_decode([[i] for i in ids])
-    return np.array([i for i, text in zip(ids, texts) if "\ufffd" not in text])
+        ids = np.arange(NO_TOKENIZER_VOCAB)
+    else:
+        special = set(tokenizer.all_special_ids)
+        candidates = [i for i in range(len(tokenizer)) if i not in special]
+        texts = tokenizer.batch_decode([[i] for i in candidates])
+        ids = np.array([i for i, text in zip(candidates, texts) if "\ufffd" not in text])
+    ids.flags.writeable = False  # shared by every caller
+    return ids
 
 
 def _random_prompts(rng: np.random.Generator, allowed: np.ndarray, prefixes: list[list[int]], in_lens, out_lens,
