@@ -286,6 +286,18 @@ def test_bench_serve_warms_up_on_a_prompt_it_does_not_measure(tmp_path, capsys):
     assert shared["completed"] == 3 and 0.3 < shared["server_prefix_cache_hit_rate"] < 0.7
 
 
+def test_bench_serve_does_not_blame_the_seed_for_a_recompute_served_from_the_cache(tmp_path, capsys):
+    """A server short of KV blocks preempts; a preempted request's recompute finds its own blocks in the
+    prefix cache, so fresh random prompts show hits that no earlier run caused."""
+    with running_server("--kv-cache-memory", "256KiB", "--max-model-len", "160") as (url, _):
+        main(["bench", "serve", "--base-url", url, "--model", "tiny", "--random-input-len", "64",
+              "--random-output-len", "64", "--num-prompts", "16", "--max-concurrency", "8", "--disable-tqdm",
+              "--num-warmups", "0", "--result-dir", str(tmp_path), "--result-filename", "p.json"])
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["completed"] == 16 and result["server_preemptions"] > 0 and result["server_prefix_cache_hit_rate"] > 0
+    assert "use another --seed" not in capsys.readouterr().err
+
+
 def test_bench_serve_counts_failures(tmp_path):
     flags = ("--kv-cache-memory", "16MiB", "--max-model-len", "64")
     with running_server(*flags) as (url, _):

@@ -95,7 +95,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     result = asyncio.run(run_benchmark(cfg, samples, percentiles, pct_metrics, goodput))
     print(format_table(result, pct_metrics, percentiles))
     hits = result.get("server_prefix_cache_hit_rate")
-    if hits and ns.dataset_name == "random" and not ns.random_prefix_len:
+    # a preempted request's recompute finds its own earlier blocks: then the hits say nothing of the seed
+    if hits and ns.dataset_name == "random" and not ns.random_prefix_len and not result.get("server_preemptions"):
         print(f"Note: {100 * hits:.0f} % of the prompt tokens were found in the server's prefix cache, though these "
               f"random prompts share nothing: most likely a run before this one sent them (same --seed). Their "
               f"TTFT is not a prefill's; use another --seed, or POST /reset_prefix_cache first.", file=sys.stderr)
