@@ -43,7 +43,7 @@ def main() -> None:
                     out / f"{cache.strip('-')}-{name.replace(' ', '-')}.json")
                 rows.append(("off" if "no-" in cache else "on", name, r["median_ttft_ms"],
                              r["p95_ttft_ms"], r["output_throughput"]))
-                print(rows[-1], flush=True)
+                print(f"cache {rows[-1][0]}, {name}: median TTFT {rows[-1][2]:.1f} ms", flush=True)
     print(f"\n{ns.model}; {ns.num_prompts} prompts of {ns.prefix_len} + {ns.input_len} in, {ns.output_len} out, "
           f"{ns.max_concurrency} in flight; serve {ns.serve_args}")
     print("| prefix cache | workload | median TTFT ms | p95 TTFT ms | output tok/s |\n|---|---|---|---|---|")
