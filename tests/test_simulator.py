@@ -403,15 +403,17 @@ def test_a_recording_replayed_faster_on_the_simulator(tmp_path):
 
 
 @pytest.mark.parametrize("measured_dir, calibration, ttft_bound", [
-    ("h200-538b850", "h200-qwen3-8b-bf16", 0.15), ("h100-3502ef0", "h100-qwen3-8b-bf16", 0.2)])
+    ("h200-538b850", "h200-qwen3-8b-bf16", 0.15), ("h100-b48d96c", "h100-qwen3-8b-bf16", 0.15)])
 def test_the_shipped_8b_calibrations_replay_the_ladders_measured_on_their_gpus(tmp_path, measured_dir, calibration,
                                                                                ttft_bound):
     """The reference ladder as each GPU measured it (kept in benchmarks/sim/measured), simulated on the
-    shipped calibration of the same day: knee and recommendation where the GPU put them, output throughput
-    within 5 %, p95 E2EL within 6 %, p95 ITL within 10 % and p95 TTFT within 15 % (H100: 20 %) at every rung
-    (H200: 3 %, 4 %, 8 % and 13 % at worst; H100: 2 %, 2 %, 4 % and 16 %). A change to the engine's
-    scheduling that moves this apart either models the GPU worse, or changed what the GPU would measure (then
-    measure the ladder again)."""
+    shipped calibration of the same tree: knee and recommendation where the GPU put them; at every rung output
+    throughput within 5 %, p95 E2EL within 6 %, mean ITL within 5 % and p95 TTFT within 15 %; p95 ITL within
+    10 % up to the recommended rung (H200: 5 %, 4 %, 3 %, 13 % and 4 % at worst; H100: 2 %, 3 %, 2 %, 6 % and
+    4 %). Past the knee the p95 ITL falls where decode-only steps give way to steps that carry a prompt
+    chunk, so a point's share of either moves it by a third (H100 at 32 in flight: 10.2 ms measured, 7.8
+    simulated, mean ITLs 8.2 and 8.0). A change to the engine's scheduling that moves this apart either
+    models the GPU worse, or changed what the GPU would measure (then measure the ladder again)."""
     from pathlib import Path
 
     measured = json.loads((Path(__file__).parents[1] / "benchmarks/sim/measured" / measured_dir / "qwen3-8b/sweep.json")
@@ -426,8 +428,10 @@ def test_the_shipped_8b_calibrations_replay_the_ladders_measured_on_their_gpus(t
         (lm["knee"]["knee_load"], lm["knee"]["recommended_load"]) == (32, 16)
     for rm, rs in zip(lm["rungs"], ls["rungs"], strict=True):
         assert rs["load"] == rm["load"]
-        for key, bound in (("output_throughput", 0.05), ("p95_e2el_ms", 0.06), ("p95_itl_ms", 0.1),
-                           ("p95_ttft_ms", ttft_bound)):
+        bounds = {"output_throughput": 0.05, "p95_e2el_ms": 0.06, "mean_itl_ms": 0.05, "p95_ttft_ms": ttft_bound}
+        if rm["load"] <= lm["knee"]["recommended_load"]:
+            bounds["p95_itl_ms"] = 0.1
+        for key, bound in bounds.items():
             assert rs[key] == pytest.approx(rm[key], rel=bound), (rm["load"], key)
 
 
