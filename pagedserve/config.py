@@ -305,7 +305,7 @@ class EngineArgs:
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step (default 8192 on CUDA, 2048 on CPU; max_model_len without chunked prefill).", size=True)
     enable_chunked_prefill: bool = _arg(True, "Split long prompts over steps to fit the token budget.")
-    max_mixed_prefill_tokens: int | None = _arg(None, "While requests decode, a step takes at most this many prompt tokens (longer prompts go on in later steps), so a newly admitted prompt adds at most that much to the running streams' inter-token latency; 0: only --max-num-batched-tokens bounds them. Needs chunked prefill. Default: 256 for `serve` (latency first), 0 offline (throughput first).")
+    max_mixed_prefill_tokens: int | None = _arg(None, "While requests decode, a step takes at most this many prompt tokens (longer prompts go on in later steps), so a newly admitted prompt adds at most that much to the running streams' inter-token latency; on a GPU a few fewer where that makes the step's tokens, decodes included, the size of a CUDA graph (a step just over one is padded to the next). 0: only --max-num-batched-tokens bounds them. Needs chunked prefill. Default: 256 for `serve` (latency first), 0 offline (throughput first).")
     scheduling_policy: str = _arg("fcfs", "Which waiting request starts first: fcfs (arrival order) or priority (a request's priority field, lower first, then arrival; under memory pressure the least urgent running request is preempted).")
     enable_prefix_caching: bool = _arg(True, "Reuse the KV blocks of a shared prompt prefix across requests.")
     block_size: int = _arg(16, "Tokens per KV-cache block.")

@@ -163,6 +163,28 @@ def test_prompt_tokens_are_held_down_while_requests_decode_unless_a_backlog_buil
         ("a1", 1), ("a2", 1), ("a3", 1), ("b", 9)]
 
 
+def test_a_held_down_step_ends_on_a_step_size_where_the_bound_allows():
+    """With the model's unpadded step sizes known, prompt tokens beside decodes make the step one of them:
+    16 decodes + 256 prompt tokens would pad to 320; 16 + 240 is 256. Never below half the bound."""
+    def held_prompt_tokens(decodes: int, sizes: tuple[int, ...]) -> int:
+        pool = BlockPool(400, 16, 64, enable_prefix_caching=False)
+        sched = Scheduler(pool, max_num_seqs=decodes + 1, max_num_batched_tokens=4096, max_model_len=1024,
+                          enable_chunked_prefill=True, max_mixed_prefill_tokens=256, step_sizes=sizes)
+        for i in range(decodes):
+            sched.add_request(make_request(f"d{i}", 4, 9))
+        sched.update_from_output(sched.schedule(), [7] * decodes)
+        sched.add_request(make_request("p", 1000, 5))
+        out = sched.schedule()
+        assert out.num_decode_tokens == decodes
+        return out.num_prefill_tokens
+
+    sizes = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+    assert held_prompt_tokens(16, ()) == 256 and held_prompt_tokens(16, sizes) == 240
+    assert held_prompt_tokens(64, sizes) == 256  # 320 already
+    assert held_prompt_tokens(1, sizes) == 255 and held_prompt_tokens(150, sizes) == 234  # 406 -> 384
+    assert held_prompt_tokens(100, (128, 512)) == 256  # 128 would leave 28: the bound stands
+
+
 def test_token_budget_wins_over_sequence_cap():
     pool = BlockPool(100, 4, 16, enable_prefix_caching=False)
     sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=12, max_model_len=64, enable_chunked_prefill=False)

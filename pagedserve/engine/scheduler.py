@@ -3,9 +3,10 @@
 Each step has two budgets: at most ``max_num_seqs`` running requests and at most
 ``max_num_batched_tokens`` tokens; while requests decode and few prompt tokens wait, prompt tokens are
 held to ``max_mixed_prefill_tokens`` of them, so a new prompt lengthens the running requests' steps by a
-bounded amount (a burst of prompts lifts the bound and drains at full speed). Running requests go first,
-in admission order (a decode takes 1 token, an unfinished prefill its next chunk); then waiting requests
-FCFS. Prefill and decode share the step. When a running request cannot get a block, the most recently
+bounded amount (a burst of prompts lifts the bound and drains at full speed); a few fewer where that makes
+the step's tokens, decodes included, one of the sizes the model runs without padding. Running requests go
+first, in admission order (a decode takes 1 token, an unfinished prefill its next chunk); then waiting
+requests FCFS. Prefill and decode share the step. When a running request cannot get a block, the most recently
 admitted running request is preempted: its blocks are freed, it will be recomputed, and it goes back to
 the front of the queue. The "priority" policy keeps both queues ordered by (priority, arrival) instead:
 the most urgent requests are served first, and the least urgent running request is the one preempted.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Sequence
 from itertools import islice
 from dataclasses import dataclass, field
 
@@ -74,12 +76,15 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool, max_mixed_prefill_tokens: int = 0,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", step_sizes: Sequence[int] = ()):
         self.pool = pool
         self.by_priority = policy == "priority"
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_mixed_prefill_tokens = max_mixed_prefill_tokens  # 0: the token budget alone
+        # token counts a step with prompt tokens runs at unpadded (its CUDA graphs); a step just above one
+        # is padded to the next, which costs up to a third more
+        self.step_sizes = sorted(step_sizes)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -137,7 +142,7 @@ class Scheduler:
         now = time.monotonic()
         prompt_budget = budget
         if self.max_mixed_prefill_tokens and self._holds_prompts_down():
-            prompt_budget = min(budget, self.max_mixed_prefill_tokens)
+            prompt_budget = min(budget, self._mixed_prompt_tokens())
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -211,6 +216,16 @@ class Scheduler:
         seats = max(0, self.max_num_seqs - len(self.running))
         backlog += sum(r.num_tokens for r in islice(self.waiting, seats))
         return backlog <= self.BOUND_STEPS * self.max_mixed_prefill_tokens
+
+    def _mixed_prompt_tokens(self) -> int:
+        """The prompt tokens of a step held down: the bound, less what brings the step (the running requests'
+        decodes and these) down to a step size, where that keeps at least half the bound."""
+        bound = self.max_mixed_prefill_tokens
+        decodes = len(self.running) - len(self.prefilling)
+        i = bisect.bisect_right(self.step_sizes, decodes + bound)
+        if i and self.step_sizes[i - 1] - decodes >= bound // 2:
+            return self.step_sizes[i - 1] - decodes
+        return bound
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
         start = req.num_computed_tokens

@@ -68,6 +68,17 @@ def decode_graph_sizes(max_num_seqs: int) -> list[int]:
 PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
+def graphs_captured(config) -> bool:
+    """Whether the engine of ``config`` replays its steps as CUDA graphs (a CUDA device, the Triton
+    attention backend, not --enforce-eager)."""
+    return config.device.type == "cuda" and not config.args.enforce_eager and config.args.attention_backend != "torch"
+
+
+def graphed_prompt_sizes(config) -> list[int]:
+    """Token counts of the steps with prompt tokens that the engine of ``config`` replays as CUDA graphs."""
+    return prompt_graph_sizes(config.max_cudagraph_capture_size) if graphs_captured(config) else []
+
+
 def prompt_graph_sizes(top: int) -> list[int]:
     """Token counts of the prompt-carrying steps that get a CUDA graph (the planner counts them too): the
     sizes above up to ``top`` (the config's capture size, never above the step's token budget), then a

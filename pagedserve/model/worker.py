@@ -28,7 +28,7 @@ from pagedserve.model.attention import AttentionBackend, TorchAttentionBackend
 from pagedserve.model.cuda_gemv import CudaGemv
 from pagedserve.model.layers import use_gemv
 from pagedserve.model.loader import build_model
-from pagedserve.model.runner import ModelRunner, PendingSamples
+from pagedserve.model.runner import ModelRunner, PendingSamples, graphs_captured
 from pagedserve.model.step import SamplingInputs, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class Worker:
         self.budget = self._plan_memory()
         self.runner.allocate_kv_cache(self.budget.num_blocks)
         torch.manual_seed(config.args.seed)
-        if on_cuda and backend.name == "triton" and not config.args.enforce_eager:
+        if graphs_captured(config):
             self.runner.capture_decode_graphs()
             self.runner.capture_prompt_graphs()
         self.runner.warm_up()

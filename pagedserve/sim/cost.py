@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedserve.errors import ConfigError
-from pagedserve.model.runner import decode_graph_sizes, prompt_graph_sizes
+from pagedserve.model.runner import decode_graph_sizes, graphs_captured, prompt_graph_sizes
 from pagedserve.model.step import StepInputs
 
 FEATURES = ("tokens", "decode_context", "prefill_work", "prefill_keys")
@@ -63,7 +63,7 @@ def step_features(inp: StepInputs) -> tuple[int, int, int, int]:
 def graph_caps(config) -> tuple[int, int]:
     """(the largest decode batch, the most tokens of a step with prompt tokens) that the engine of
     ``config`` replays as a CUDA graph; (0, 0): every step is launched kernel by kernel."""
-    if config.device.type != "cuda" or config.args.enforce_eager or config.args.attention_backend == "torch":
+    if not graphs_captured(config):
         return 0, 0
     prompt = prompt_graph_sizes(config.max_cudagraph_capture_size)
     return decode_graph_sizes(config.max_num_seqs)[-1], prompt[-1] if prompt else 0
