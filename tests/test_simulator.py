@@ -17,7 +17,8 @@ from pagedserve.config import EngineArgs
 from pagedserve.errors import ConfigError
 from pagedserve.sim import calibrate as calibrate_mod
 from pagedserve.sim.calibrate import calibrate, synthetic_step
-from pagedserve.sim.cost import Calibration, CostModel, load_calibration, shipped, step_features, step_kind
+from pagedserve.sim.cost import (Calibration, CostModel, computed_tokens, load_calibration, shipped, step_features,
+                                 step_kind)
 from pagedserve.sim.load import simulate_load
 from pagedserve.tune.plan import make_plan
 
@@ -98,8 +99,8 @@ def test_the_fit_recovers_a_known_model_and_reads_back():
             [("mixed", t + b, b * 1024, t * t, t) for b in (4, 64) for t in (2048, 8192)]:
         seqs = t if k and not q else 1
         host = launch.launch_seconds(kind, seqs, t)
-        samples.append({"tokens": t, "decode_context": k, "prefill_work": q, "prefill_keys": n, "kind": kind,
-                        "seqs": seqs, "seconds": truth.seconds(t, k, q, n, kind) + host, "launch": host})
+        samples.append({"tokens": t, "computed": t, "decode_context": k, "prefill_work": q, "prefill_keys": n,
+                        "kind": kind, "seqs": seqs, "seconds": truth.seconds(t, k, q, n, kind) + host, "launch": host})
     cost, err = CostModel.fit(samples)
     cost = cost.with_launch(samples)
     assert err < 0.01 and cost.both_paths == pytest.approx(1.5e-3, rel=0.05)
@@ -158,7 +159,11 @@ def test_synthetic_steps_put_each_token_in_its_own_block_slot():
     for pos, slot, row in zip(inp.positions, inp.slots, [0, 1] + [2] * 24):
         assert slot == tables[row, pos // 16] * 16 + pos % 16
     assert inp.sample_rows.tolist() == [0, 1, 25]
-    assert step_features(inp) == (26, 57, 24 * 24, 24) and step_kind(inp, (256, 0)) == "mixed" and step_kind(inp, (256, 32)) == "graph"
+    assert step_features(inp) == (26, 57, 24 * 24, 24)
+    assert step_kind(inp, ([256], [])) == "mixed" and step_kind(inp, ([256], [16, 32])) == "graph"
+    # a graph replay computes its graph's size: 26 tokens in the 32-token graph
+    assert computed_tokens(26, "graph", False, ([256], [16, 32])) == 32
+    assert computed_tokens(26, "mixed", False, ([], [])) == 26
 
 
 def test_calibrate_on_cpu_fits_the_tiny_model(monkeypatch):

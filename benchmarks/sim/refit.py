@@ -20,7 +20,7 @@ from pagedserve.args import engine_flags
 from pagedserve.config import EngineArgs
 from pagedserve.errors import ConfigError
 from pagedserve.sim.calibrate import way_in
-from pagedserve.sim.cost import Calibration, CostModel, load_calibration, shipped
+from pagedserve.sim.cost import Calibration, CostModel, computed_tokens, graph_sizes, load_calibration, shipped
 from pagedserve.sim.ladder import Simulation
 
 TIMED_HERE = "ingress spacing and delivery jitter timed on another host"
@@ -28,7 +28,11 @@ _WAY_IN = ("ingress_spacing", "delivery_jitter", "delivery_jitter_per_seq")
 
 
 def refit(cal: Calibration, source: str) -> Calibration:
-    cost, err = CostModel.fit_steps(cal.samples, cal.host_samples)
+    # the tokens each step computed, from the graph sizes of the engine that timed it
+    sizes = graph_sizes(EngineArgs(**cal.engine_args).create_config(plan_for="cuda"))
+    samples = [{**s, "computed": computed_tokens(s["tokens"], s["kind"], not s["prefill_work"], sizes)}
+               for s in cal.samples]
+    cost, err = CostModel.fit_steps(samples, cal.host_samples)
     cost = cost.with_request_latency(cal.cost.request_latency)
     cost = dataclasses.replace(cost, **{k: getattr(cal.cost, k) for k in _WAY_IN})
     notes = list(cal.notes)
@@ -41,7 +45,7 @@ def refit(cal: Calibration, source: str) -> Calibration:
         host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
         notes.append(f"{TIMED_HERE}: the median of three runs through a server on a CPU machine ({host}), not "
                      f"on the GPU's host")
-    return dataclasses.replace(cal, cost=cost, mape=err, notes=notes)
+    return dataclasses.replace(cal, cost=cost, mape=err, samples=samples, notes=notes)
 
 
 def main(names: list[str]) -> None:

@@ -38,7 +38,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.memory import dtype_name
 from pagedserve.errors import ConfigError
 from pagedserve.model.step import SamplingInputs, StepInputs
-from pagedserve.sim.cost import Calibration, CostModel, graph_caps, step_kind, step_features
+from pagedserve.sim.cost import Calibration, CostModel, computed_tokens, graph_sizes, step_kind, step_features
 
 _WARMUPS, _REPEATS = 2, 5
 _HOST_LEVELS = (1, 4, 16, 64, 256)  # requests in flight at which the server's host work is timed
@@ -234,14 +234,15 @@ def calibrate(args, log=print) -> Calibration:
     try:
         rng = np.random.default_rng(0)
         shapes = step_grid(config, worker.budget.num_blocks)
-        samples, caps, budget = [], graph_caps(config), worker.budget
+        samples, sizes, budget = [], graph_sizes(config), worker.budget
         for k, shape in enumerate(shapes):
             inp = synthetic_step(shape, config.block_size, worker.budget.num_blocks, config.model.vocab_size, rng)
             t, ctx, work, keys = step_features(inp)
             seconds, launch = time_step(worker, inp)
-            samples.append({"tokens": t, "decode_context": ctx, "prefill_work": work, "prefill_keys": keys,
-                            "seqs": len(shape), "kind": step_kind(inp, caps), "seconds": seconds,
-                            "launch": launch})
+            kind = step_kind(inp, sizes)
+            samples.append({"tokens": t, "computed": computed_tokens(t, kind, inp.decode_only, sizes),
+                            "decode_context": ctx, "prefill_work": work, "prefill_keys": keys,
+                            "seqs": len(shape), "kind": kind, "seconds": seconds, "launch": launch})
             log(f"[{k + 1}/{len(shapes)}] {len(shape)} seqs, {t} tokens, {ctx} decode context: {1e3 * seconds:.3f} ms")
         if config.device.type == "cuda":
             gpu = torch.cuda.get_device_name(config.device)

@@ -31,6 +31,7 @@ calibration can be read and checked.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
@@ -43,7 +44,8 @@ from pagedserve.errors import ConfigError
 from pagedserve.model.runner import decode_graph_sizes, graphs_captured, prompt_graph_sizes
 from pagedserve.model.step import StepInputs
 
-FEATURES = ("tokens", "decode_context", "prefill_work", "prefill_keys")
+# a sample's "computed" is its tokens as the step computed them: a graph replay pads up to the graph's size
+FEATURES = ("computed", "decode_context", "prefill_work", "prefill_keys")
 GRAPHED = ("single", "graph")  # step kinds replayed as CUDA graphs: the host prepares them ahead
 # A graph step's launch hides behind the step before only where the host's work a step (the server's at one
 # request, and the launch) is at most this share of one sequence's decode on the device. In a server the
@@ -60,23 +62,32 @@ def step_features(inp: StepInputs) -> tuple[int, int, int, int]:
     return int(q.sum()), int(s[decode].sum()), int((q[~decode] * s[~decode]).sum()), int(s[~decode].sum())
 
 
-def graph_caps(config) -> tuple[int, int]:
-    """(the largest decode batch, the most tokens of a step with prompt tokens) that the engine of
-    ``config`` replays as a CUDA graph; (0, 0): every step is launched kernel by kernel."""
+def graph_sizes(config) -> tuple[list[int], list[int]]:
+    """(the decode batches, the token counts of steps with prompt tokens) that the engine of ``config``
+    replays as CUDA graphs, each padding a step up to its size; ([], []): every step is launched kernel by
+    kernel."""
     if not graphs_captured(config):
-        return 0, 0
-    prompt = prompt_graph_sizes(config.max_cudagraph_capture_size)
-    return decode_graph_sizes(config.max_num_seqs)[-1], prompt[-1] if prompt else 0
+        return [], []
+    return decode_graph_sizes(config.max_num_seqs), prompt_graph_sizes(config.max_cudagraph_capture_size)
 
 
-def step_kind(inp: StepInputs, caps: tuple[int, int]) -> str:
+def computed_tokens(tokens: int, kind: str, decode_only: bool, sizes: tuple[list[int], list[int]]) -> int:
+    """The tokens a step computes: a graph replay's are its graph's size (``sizes`` as ``graph_sizes``)."""
+    if kind not in GRAPHED:
+        return tokens
+    graphs = sizes[0] if decode_only else sizes[1]
+    i = bisect.bisect_left(graphs, tokens)
+    return graphs[i] if i < len(graphs) else tokens
+
+
+def step_kind(inp: StepInputs, sizes: tuple[list[int], list[int]]) -> str:
     """"single" (one sequence's decode graph), "graph" (a larger decode graph, or a step with prompt
     tokens replayed as one), "mixed" (decodes and prompt chunks, launched kernel by kernel) or "eager"
-    (launched kernel by kernel)."""
-    decode_cap, prompt_cap = caps
-    if inp.decode_only and len(inp.query_lens) <= decode_cap:
+    (launched kernel by kernel); ``sizes`` as ``graph_sizes``."""
+    decode, prompt = sizes
+    if inp.decode_only and decode and len(inp.query_lens) <= decode[-1]:
         return "single" if len(inp.query_lens) == 1 else "graph"
-    if not inp.decode_only and len(inp.ids) <= prompt_cap:
+    if not inp.decode_only and prompt and len(inp.ids) <= prompt[-1]:
         return "graph"
     decode = inp.query_lens == 1
     return "mixed" if decode.any() and not decode.all() else "eager"
@@ -167,7 +178,7 @@ class CostModel:
     @classmethod
     def fit(cls, samples: list[dict]) -> tuple["CostModel", float]:
         """Least squares on relative error over a scan of the breakpoint and the two floors; returns the
-        model and its mean absolute percentage error on ``samples`` ({"tokens", "decode_context",
+        model and its mean absolute percentage error on ``samples`` ({"computed", "decode_context",
         "prefill_work", "prefill_keys", "kind", "seconds", and for a graph step optionally "launch": its host's
         part, not the device's). For each pair of floors, the device terms are fitted to the
         steps they do not hold up (graph replays, and eager steps measured above their floor); S is then the
@@ -206,12 +217,12 @@ class CostModel:
     def with_launch(self, samples: list[dict]) -> "CostModel":
         """This model with the launch terms fitted (least squares on relative error, non-negative, as the
         device's: the many short launches count as much as the few long ones) to the graph steps of
-        ``samples`` that carry their host part ({"seqs", "tokens", "launch"})."""
+        ``samples`` that carry their host part ({"seqs", "computed", "launch"})."""
         timed = [s for s in samples if s["kind"] in GRAPHED and s.get("launch")]
         if not timed:
             return self
         y = np.array([s["launch"] for s in timed])
-        a = np.array([[1.0, s["seqs"], s["tokens"]] for s in timed]) / y[:, None]
+        a = np.array([[1.0, s["seqs"], s["computed"]] for s in timed]) / y[:, None]
         fixed, per_seq, per_token = _nonnegative_lstsq(a, np.ones(len(timed)))
         return dataclasses.replace(self, launch_fixed=float(fixed), launch_per_seq=float(per_seq),
                                    launch_per_token=float(per_token))

@@ -8,7 +8,7 @@ import time
 from pagedserve.memory import MemoryBudget
 from pagedserve.model.step import SamplingInputs, StepInputs
 from pagedserve.model.worker import freeze_startup_heap
-from pagedserve.sim.cost import CostModel, graph_caps, step_features, step_kind
+from pagedserve.sim.cost import CostModel, computed_tokens, graph_sizes, step_features, step_kind
 
 
 class _Samples:
@@ -30,7 +30,7 @@ class SimulatedWorker:
         the worker runs as it would on that device; else the caller takes the steps' seconds from
         ``launched`` and keeps its own clock."""
         self.budget, self.cost, self.paced = budget, cost, paced
-        self.caps = graph_caps(config)
+        self.sizes = graph_sizes(config)
         self.launched: list[float] = []  # seconds of each step launched since the caller last took them
         self.device_wait = 0.0           # what the host waits for the device, summed over the steps
         self._free_at = 0.0              # paced: when the step launched last ends
@@ -41,7 +41,10 @@ class SimulatedWorker:
 
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> _Samples | None:
         # the host's work for a step overlaps the device's (one step in flight): the longer of the two counts
-        device, host = self.cost.step_seconds(step_features(inp), step_kind(inp, self.caps), len(inp.query_lens))
+        tokens, *rest = step_features(inp)
+        kind = step_kind(inp, self.sizes)
+        features = (computed_tokens(tokens, kind, inp.decode_only, self.sizes), *rest)
+        device, host = self.cost.step_seconds(features, kind, len(inp.query_lens))
         seconds = max(device, host)
         self.device_wait += seconds - host
         ready_at = None
