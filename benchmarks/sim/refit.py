@@ -20,7 +20,8 @@ from pagedserve.args import engine_flags
 from pagedserve.config import EngineArgs
 from pagedserve.errors import ConfigError
 from pagedserve.sim.calibrate import way_in
-from pagedserve.sim.cost import Calibration, CostModel, computed_tokens, graph_sizes, load_calibration, shipped
+from pagedserve.model.runner import graph_sizes
+from pagedserve.sim.cost import Calibration, CostModel, computed_tokens, load_calibration, shipped
 from pagedserve.sim.ladder import Simulation
 
 TIMED_HERE = "ingress spacing and delivery jitter timed on another host"

@@ -24,7 +24,7 @@ from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from pagedserve.engine.step_builder import StepBuilder
-from pagedserve.model.runner import PendingSamples, graphed_prompt_sizes
+from pagedserve.model.runner import PendingSamples, graph_sizes
 from pagedserve.model.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill,
                                    config.max_mixed_prefill_tokens, config.args.scheduling_policy,
-                                   graphed_prompt_sizes(config))
+                                   graph_sizes(config)[1])
         self.counters = EngineCounters()
         self.peaks = EnginePeaks()
         self.last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)

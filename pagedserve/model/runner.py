@@ -74,9 +74,13 @@ def graphs_captured(config) -> bool:
     return config.device.type == "cuda" and not config.args.enforce_eager and config.args.attention_backend != "torch"
 
 
-def graphed_prompt_sizes(config) -> list[int]:
-    """Token counts of the steps with prompt tokens that the engine of ``config`` replays as CUDA graphs."""
-    return prompt_graph_sizes(config.max_cudagraph_capture_size) if graphs_captured(config) else []
+def graph_sizes(config) -> tuple[list[int], list[int]]:
+    """(the decode batches, the token counts of steps with prompt tokens) that the engine of ``config``
+    replays as CUDA graphs, each padding a step up to its size; ([], []): every step is launched kernel by
+    kernel."""
+    if not graphs_captured(config):
+        return [], []
+    return decode_graph_sizes(config.max_num_seqs), prompt_graph_sizes(config.max_cudagraph_capture_size)
 
 
 def prompt_graph_sizes(top: int) -> list[int]:

@@ -38,7 +38,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.memory import dtype_name
 from pagedserve.errors import ConfigError
 from pagedserve.model.step import SamplingInputs, StepInputs
-from pagedserve.sim.cost import Calibration, CostModel, computed_tokens, graph_sizes, step_kind, step_features
+from pagedserve.model.runner import graph_sizes
+from pagedserve.sim.cost import Calibration, CostModel, computed_tokens, step_kind, step_features
 
 _WARMUPS, _REPEATS = 2, 5
 _HOST_LEVELS = (1, 4, 16, 64, 256)  # requests in flight at which the server's host work is timed

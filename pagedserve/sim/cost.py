@@ -41,7 +41,6 @@ from pathlib import Path
 import numpy as np
 
 from pagedserve.errors import ConfigError
-from pagedserve.model.runner import decode_graph_sizes, graphs_captured, prompt_graph_sizes
 from pagedserve.model.step import StepInputs
 
 # a sample's "computed" is its tokens as the step computed them: a graph replay pads up to the graph's size
@@ -62,17 +61,8 @@ def step_features(inp: StepInputs) -> tuple[int, int, int, int]:
     return int(q.sum()), int(s[decode].sum()), int((q[~decode] * s[~decode]).sum()), int(s[~decode].sum())
 
 
-def graph_sizes(config) -> tuple[list[int], list[int]]:
-    """(the decode batches, the token counts of steps with prompt tokens) that the engine of ``config``
-    replays as CUDA graphs, each padding a step up to its size; ([], []): every step is launched kernel by
-    kernel."""
-    if not graphs_captured(config):
-        return [], []
-    return decode_graph_sizes(config.max_num_seqs), prompt_graph_sizes(config.max_cudagraph_capture_size)
-
-
 def computed_tokens(tokens: int, kind: str, decode_only: bool, sizes: tuple[list[int], list[int]]) -> int:
-    """The tokens a step computes: a graph replay's are its graph's size (``sizes`` as ``graph_sizes``)."""
+    """The tokens a step computes: a graph replay's are its graph's size (``sizes`` as ``model.runner.graph_sizes``)."""
     if kind not in GRAPHED:
         return tokens
     graphs = sizes[0] if decode_only else sizes[1]
@@ -83,7 +73,7 @@ def computed_tokens(tokens: int, kind: str, decode_only: bool, sizes: tuple[list
 def step_kind(inp: StepInputs, sizes: tuple[list[int], list[int]]) -> str:
     """"single" (one sequence's decode graph), "graph" (a larger decode graph, or a step with prompt
     tokens replayed as one), "mixed" (decodes and prompt chunks, launched kernel by kernel) or "eager"
-    (launched kernel by kernel); ``sizes`` as ``graph_sizes``."""
+    (launched kernel by kernel); ``sizes`` as ``model.runner.graph_sizes``."""
     decode, prompt = sizes
     if inp.decode_only and decode and len(inp.query_lens) <= decode[-1]:
         return "single" if len(inp.query_lens) == 1 else "graph"

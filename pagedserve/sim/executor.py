@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 
 from pagedserve.memory import MemoryBudget
+from pagedserve.model.runner import graph_sizes
 from pagedserve.model.step import SamplingInputs, StepInputs
 from pagedserve.model.worker import freeze_startup_heap
-from pagedserve.sim.cost import CostModel, computed_tokens, graph_sizes, step_features, step_kind
+from pagedserve.sim.cost import CostModel, computed_tokens, step_features, step_kind
 
 
 class _Samples:
