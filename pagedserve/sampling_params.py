@@ -45,7 +45,7 @@ class SamplingParams:
         wrong = wrong_type(self)
         if wrong:
             raise bad(wrong[0], f"must be {wrong[1]}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if self.n < 1:
             raise bad("n", "must be a positive integer")
         if not self.temperature >= 0.0:
             raise bad("temperature", "must be non-negative")
@@ -68,8 +68,6 @@ class SamplingParams:
             raise bad("logprobs", "must be in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise bad("prompt_logprobs", "must be in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise bad("stop", "must be a string or a list of strings")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

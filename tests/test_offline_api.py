@@ -167,12 +167,23 @@ def test_chat_applies_template(llm):
     # of the wrong type, as a Python caller may pass them
     (dict(temperature="hot"), "temperature"), (dict(max_tokens="5"), "max_tokens"), (dict(stop=5), "stop"),
     (dict(logprobs=True), "logprobs"), (dict(ignore_eos="yes"), "ignore_eos"), (dict(top_k=2.5), "top_k"),
-    (dict(stop_token_ids=[1.5]), "stop_token_ids"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids"), (dict(n=2.0), "n"), (dict(seed="7"), "seed"),
 ])
 def test_invalid_sampling_params(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param and param in str(e.value)
+
+
+def test_sampling_params_take_integers_of_any_integral_type(llm):
+    """As every integer field does, n and seed take numpy's integers (a caller's array element, say)."""
+    import numpy as np
+
+    p = SamplingParams(n=np.int64(2), seed=np.int32(7), max_tokens=np.int64(5), ignore_eos=True)
+    again = SamplingParams(n=2, seed=7, max_tokens=5, ignore_eos=True)
+    (out,), (ref,) = (llm.generate(["Hello world"], q, use_tqdm=False) for q in (p, again))
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in ref.outputs]
+    assert len(out.outputs) == 2 and all(len(o.token_ids) == 5 for o in out.outputs)
 
 
 def test_logit_bias_steers_sampling_and_leaves_logprobs_raw(llm):
