@@ -165,7 +165,8 @@ def test_prompt_tokens_are_held_down_while_requests_decode_unless_a_backlog_buil
 
 def test_a_held_down_step_ends_on_a_step_size_where_the_bound_allows():
     """With the model's unpadded step sizes known, prompt tokens beside decodes make the step one of them:
-    16 decodes + 256 prompt tokens would pad to 320; 16 + 240 is 256. Never below half the bound."""
+    16 decodes + 256 prompt tokens would pad to 320; 16 + 240 is 256. Not where the size above is nearer,
+    nor below half the bound."""
     def held_prompt_tokens(decodes: int, sizes: tuple[int, ...]) -> int:
         pool = BlockPool(400, 16, 64, enable_prefix_caching=False)
         sched = Scheduler(pool, max_num_seqs=decodes + 1, max_num_batched_tokens=4096, max_model_len=1024,
@@ -182,6 +183,8 @@ def test_a_held_down_step_ends_on_a_step_size_where_the_bound_allows():
     assert held_prompt_tokens(16, ()) == 256 and held_prompt_tokens(16, sizes) == 240
     assert held_prompt_tokens(64, sizes) == 256  # 320 already
     assert held_prompt_tokens(1, sizes) == 255 and held_prompt_tokens(150, sizes) == 234  # 406 -> 384
+    assert held_prompt_tokens(250, sizes) == 256  # 506 pads to 512 by 6: nearer than 448
+    assert held_prompt_tokens(300, sizes) == 212  # 556 is past the largest graph: 512 replays one
     assert held_prompt_tokens(100, (128, 512)) == 256  # 128 would leave 28: the bound stands
 
 

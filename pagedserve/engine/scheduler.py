@@ -219,13 +219,15 @@ class Scheduler:
 
     def _mixed_prompt_tokens(self) -> int:
         """The prompt tokens of a step held down: the bound, less what brings the step (the running requests'
-        decodes and these) down to a step size, where that keeps at least half the bound."""
-        bound = self.max_mixed_prefill_tokens
+        decodes and these) down to a step size, where that size is nearer than the next one up (whose padding
+        would cost more than the tokens left for the next step) and keeps at least half the bound."""
+        bound, sizes = self.max_mixed_prefill_tokens, self.step_sizes
         decodes = len(self.running) - len(self.prefilling)
-        i = bisect.bisect_right(self.step_sizes, decodes + bound)
-        if i and self.step_sizes[i - 1] - decodes >= bound // 2:
-            return self.step_sizes[i - 1] - decodes
-        return bound
+        total = decodes + bound
+        i = bisect.bisect_right(sizes, total)
+        if not i or sizes[i - 1] - decodes < bound // 2 or (i < len(sizes) and sizes[i] - total < total - sizes[i - 1]):
+            return bound
+        return sizes[i - 1] - decodes
 
     def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
         start = req.num_computed_tokens
