@@ -224,8 +224,10 @@ class Scheduler:
         bound, sizes = self.max_mixed_prefill_tokens, self.step_sizes
         decodes = len(self.running) - len(self.prefilling)
         total = decodes + bound
-        i = bisect.bisect_right(sizes, total)
-        if not i or sizes[i - 1] - decodes < bound // 2 or (i < len(sizes) and sizes[i] - total < total - sizes[i - 1]):
+        i = bisect.bisect_right(sizes, total)  # sizes[i - 1] <= total < sizes[i]
+        if not i or sizes[i - 1] - decodes < bound // 2:
+            return bound
+        if i < len(sizes) and sizes[i] - total < total - sizes[i - 1]:  # padding up wastes less than shaving defers
             return bound
         return sizes[i - 1] - decodes
 
