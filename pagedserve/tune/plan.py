@@ -16,7 +16,7 @@ import numpy as np
 from pagedserve.config import EngineArgs, EngineConfig
 from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, compute_budget, dtype_name, fmt_bytes,
                                weight_bytes)
-from pagedserve.model.runner import decode_graph_sizes, prompt_graph_sizes
+from pagedserve.model.runner import graph_sizes
 
 MiB = 2**20
 # Total device memory as torch reports it (H200: what torch reported on one; the others: the totals
@@ -128,11 +128,10 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
         activation_peak=activation_peak_estimate(m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.dtype, tp),
         non_torch=non_torch, device_total=total, utilization=args.gpu_memory_utilization if on_gpu else None,
         kv_cache_memory=cfg.kv_cache_memory, num_blocks_override=args.num_gpu_blocks_override, tp=tp)
-    prompt_graphs = prompt_graph_sizes(cfg.max_cudagraph_capture_size)
-    num_graphs = len(decode_graph_sizes(cfg.max_num_seqs)) + len(prompt_graphs)
+    decode_graphs, prompt_graphs = graph_sizes(cfg)  # none on a CPU, with --enforce-eager or the torch backend
     # graphs share one memory pool, which holds the largest prompt graph's activations
     pool = activation_peak_estimate(m, prompt_graphs[-1], 0, cfg.dtype, tp) if prompt_graphs else 0
-    graphs = 0 if (not on_gpu or args.enforce_eager) else GRAPH_ESTIMATE_PER_SIZE * num_graphs + pool
+    graphs = GRAPH_ESTIMATE_PER_SIZE * (len(decode_graphs) + len(prompt_graphs)) + pool
     lengths = {f"max_model_len {cfg.max_model_len}": cfg.max_model_len}
     if input_len or output_len:
         n = (input_len or 0) + (output_len or 0)
