@@ -17,6 +17,16 @@ KINDS = {bool: (lambda v: isinstance(v, bool), "true or false", (bool,)),
          dict: (lambda v: isinstance(v, dict), "a dict", (dict,))}
 
 
+def token_ids(values) -> list[int] | None:
+    """``values`` as a list of Python ints if every one is a non-negative integer of any integral type (a
+    numpy array's elements, say), else None."""
+    ids = list(values)
+    if all(type(v) is int and v >= 0 for v in ids):  # the common case, without the ABC check a value
+        return ids
+    ok = KINDS[int][0]
+    return [int(v) for v in ids] if all(ok(v) and v >= 0 for v in ids) else None
+
+
 @functools.cache
 def _typed_fields(cls: type) -> tuple[tuple[str, frozenset, tuple, str], ...]:
     """Once a class (reading annotations takes a few hundred microseconds, and a request builds its

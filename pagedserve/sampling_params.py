@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from pagedserve.checks import wrong_type
+from pagedserve.checks import token_ids, wrong_type
 from pagedserve.errors import InvalidRequestError
 
 
@@ -74,14 +74,17 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", "must be non-empty strings")
         self._stop = tuple(stops)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+        stop_ids = token_ids(self.stop_token_ids or [])
+        if stop_ids is None:
             raise bad("stop_token_ids", "must be token ids")
+        self.stop_token_ids = stop_ids
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logit_bias):
+            keys = token_ids(self.logit_bias)
+            if keys is None:
                 raise bad("logit_bias", "keys must be token ids")
+            self.logit_bias = dict(zip(keys, self.logit_bias.values()))
             if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
         if self.structured_outputs is not None:

@@ -176,14 +176,23 @@ def test_invalid_sampling_params(kwargs, param):
 
 
 def test_sampling_params_take_integers_of_any_integral_type(llm):
-    """As every integer field does, n and seed take numpy's integers (a caller's array element, say)."""
+    """Every integer field and token id takes numpy's integers (a caller's array element, say); bools and
+    negative ids are still refused."""
     import numpy as np
 
-    p = SamplingParams(n=np.int64(2), seed=np.int32(7), max_tokens=np.int64(5), ignore_eos=True)
-    again = SamplingParams(n=2, seed=7, max_tokens=5, ignore_eos=True)
-    (out,), (ref,) = (llm.generate(["Hello world"], q, use_tqdm=False) for q in (p, again))
+    prompt = llm.get_tokenizer().encode("Hello world")
+    p = SamplingParams(n=np.int64(2), seed=np.int32(7), max_tokens=np.int64(5), ignore_eos=True,
+                       stop_token_ids=list(np.array([10**5])), logit_bias={np.int64(9): 0.5})
+    again = SamplingParams(n=2, seed=7, max_tokens=5, ignore_eos=True, stop_token_ids=[10**5], logit_bias={9: 0.5})
+    assert p.stop_token_ids == [10**5] and type(p.stop_token_ids[0]) is int and list(p.logit_bias) == [9]
+    (out,), (ref,) = (llm.generate([q], s, use_tqdm=False) for q, s in ((list(np.array(prompt)), p), (prompt, again)))
     assert [o.token_ids for o in out.outputs] == [o.token_ids for o in ref.outputs]
     assert len(out.outputs) == 2 and all(len(o.token_ids) == 5 for o in out.outputs)
+    for bad in ({"stop_token_ids": [True]}, {"stop_token_ids": [-1]}, {"logit_bias": {np.int64(-2): 1.0}}):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(InvalidRequestError, match="Token ids"):
+        llm.generate([[1, True]], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 def test_logit_bias_steers_sampling_and_leaves_logprobs_raw(llm):

@@ -9,6 +9,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.checks import token_ids
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import CoreOutput
 from pagedserve.engine.request import Request
@@ -140,8 +141,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             text, ids = prompt, self.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            text, ids = None, token_ids(prompt)
+            if ids is None or any(t >= vocab for t in ids):
                 raise InvalidRequestError("prompt", f"Token ids must be integers in [0, {vocab}).")
         else:
             raise InvalidRequestError("prompt", f"A prompt is text, a list of token ids or a prompt dict, not "
