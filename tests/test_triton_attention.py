@@ -99,6 +99,22 @@ def test_triton_matches_reference_on_mixed_batches(model_type, block_size, heads
     assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_a_mixed_steps_tiles_run_in_one_launch_or_two_alike(monkeypatch, one_launch):
+    """Unsplit decodes and prefill tiles (chunks after context, a fresh prompt) in one kernel launch, or in
+    two: both match the reference (the padded steps of CUDA graphs take the same path: the engine test of
+    padded prompt steps)."""
+    import pagedserve.model.triton_attention as ta
+
+    monkeypatch.setattr(TritonAttentionBackend, "ONE_LAUNCH", one_launch)
+    if one_launch:
+        monkeypatch.setattr(ta, "_paged_attention", _Refused())
+    else:
+        monkeypatch.setattr(ta, "_mixed_attention", _Refused())
+    err, cache_err = compare("qwen3", 8, 2, 16, 16, [1, 19, 1, 1, 6], [90, 40, 0, 33, 0])
+    assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
+
+
 class _Refused:
     """Stands in for a kernel (``fn[grid](...)``) or a function (``fn(...)``) that must not run."""
 
@@ -247,16 +263,21 @@ def test_padded_decode_steps_match_the_torch_backend(monkeypatch):
 
 def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
     """Decode graphs compile only their own batch sizes' variants; eager steps choose split factors by
-    batch and length, so the runner's warm-up must launch each of them next to prefill tiles, and in a
-    decode-only step (the fused kernel)."""
+    batch and length, so the runner's warm-up must launch each of them next to prefill tiles (unsplit:
+    both in one launch), prefill tiles alone, and a decode-only step (the fused kernel)."""
     from pagedserve import LLM
 
-    launched, fused = [], []
+    launched, fused, mixed = [], [], []
     real, real_fused = TritonAttentionBackend._launch, TritonAttentionBackend._fused_decode
+    real_mixed = TritonAttentionBackend._launch_mixed
 
     def spy(self, q, kv_cache, out, meta, st, launch, scale):
-        launched.append((launch.block_q, launch.num_segments))
+        launched.append((launch.block_q, launch.num_segments, st.decode is None))
         return real(self, q, kv_cache, out, meta, st, launch, scale)
+
+    def spy_mixed(self, q, kv_cache, out, meta, st, scale):
+        mixed.append(st.decode.num_segments)
+        return real_mixed(self, q, kv_cache, out, meta, st, scale)
 
     def spy_fused(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st, pdl):
         fused.append(st.decode.num_segments)
@@ -264,13 +285,14 @@ def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
 
     monkeypatch.setattr(TritonAttentionBackend, "_launch", spy)
     monkeypatch.setattr(TritonAttentionBackend, "_fused_decode", spy_fused)
+    monkeypatch.setattr(TritonAttentionBackend, "_launch_mixed", spy_mixed)
     llm = LLM("tiny", attention_backend="triton", kv_cache_memory="4MiB", max_model_len=2048)
     backend = llm.engine.core.worker.runner.backend
     top = backend.decode_segments(1, 2048)
     assert top == 16  # 2 KV heads, 2048 keys: sixteen segments of one 128-key tile for one long decode
-    decode_splits = {segs for block_q, segs in launched if block_q == 1}
-    assert decode_splits == {1, 2, 4, 8, 16} == set(fused)
-    assert (backend.prefill_block_q, 1) in launched
+    decode_splits = {segs for block_q, segs, _ in launched if block_q == 1}
+    assert set(mixed) == {1} and decode_splits == {2, 4, 8, 16} and set(fused) == {1, 2, 4, 8, 16}
+    assert {(backend.prefill_block_q, 1, False), (backend.prefill_block_q, 1, True)} <= set(launched)
 
 
 def test_cuda_fp8_decode_serves_only_the_launches_it_covers():
@@ -332,7 +354,7 @@ pointers = dict(QKV="*bf16", Pos="*i64", Cos="*fp32", Sin="*fp32", QW="*bf16", K
 found = {}
 for label, pdl, prefetch in (("pdl", True, 0), ("prefetch", True, 2), ("plain", False, 0)):
     const = dict(G=4, G_POW2=4, BLOCK_M=16, HEAD_DIM=128, NUM_Q=32, NUM_KV=8, TILE=128, PAGE=16, NUM_SEGMENTS=16,
-                 FP16_DOTS=False, V_CVT_ASM=False, QK_NORM=True, PDL=pdl, PREFETCH_LINES=prefetch)
+                 FP16_DOTS=False, V_CVT_ASM=False, QK_NORM=True, PDL=pdl, PREFETCH_LINES=prefetch, STAGES=3)
     sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
     src = ASTSource(_fused_decode, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
@@ -378,3 +400,50 @@ def test_the_fused_decode_is_a_dependent_only_after_the_one_row_gemv(monkeypatch
     tri.qkv_proj.bias = None
     monkeypatch.setattr(backend, "has_pdl", False)
     assert not backend.releases_early(tri, row)
+
+
+_COMPILE_MIXED = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedserve.model.triton_attention import _mixed_attention, _paged_attention
+
+def shared(kernel, pointers, const, warps, stages):
+    names = kernel.arg_names
+    sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages)).metadata.shared
+
+found = {}
+for kv, fp8, dec_tile in (("*bf16", False, 64), ("*fp8e4nv", True, 32)):
+    ptrs = dict(Q="*bf16", KV=kv, Out="*bf16", PartAcc="*fp32", PartML="*fp32", block_tables="*i32",
+                seq_lens="*i32", query_start="*i32", tile_seq="*i32", tile_qoff="*i32", dec_seq="*i32",
+                dec_qoff="*i32", pre_seq="*i32", pre_qoff="*i32", scale="fp32")
+    both = shared(_mixed_attention, ptrs, dict(G=4, HEAD_DIM=128, PAGE=16, FP16_DOTS=fp8, DEC_BLOCK_M=16,
+                  DEC_TILE=dec_tile, DEC_STAGES=3, DEC_V_ASM=fp8, PRE_BLOCK_Q=16, PRE_BLOCK_M=64, PRE_TILE=64,
+                  PRE_STAGES=2), 4, 3)
+    alone = [shared(_paged_attention, ptrs, dict(G=4, BLOCK_Q=bq, BLOCK_M=bm, HEAD_DIM=128, TILE=tile, PAGE=16,
+                    NUM_SEGMENTS=1, FP16_DOTS=fp8, V_CVT_ASM=fp8 and bq == 1, STAGES=st), 4, st)
+             for bq, bm, tile, st in ((1, 16, dec_tile, 3), (16, 64, 64, 2))]
+    found[kv] = [both, *alone]
+print(json.dumps(found))
+"""
+
+
+def test_a_mixed_launch_compiles_for_hopper_with_the_larger_branchs_shared_memory():
+    """The one-launch kernel compiled for sm_90 (bf16, and fp8 with V converted by asm, which the interpreter
+    never runs): its two branches reuse one shared-memory allocation, so it holds no more than the prefill
+    tile alone and as many programs fit on an SM as with two launches."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_MIXED], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for kv, (both, decode, prefill) in json.loads(run.stdout.strip().splitlines()[-1]).items():
+        assert both == max(decode, prefill) > 0, (kv, both, decode, prefill)

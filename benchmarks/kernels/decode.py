@@ -1,7 +1,10 @@
 """Where decode time goes: a kernel-level profile of one eager decode step, and the paged-attention
 kernel alone at a few tile shapes with its achieved bandwidth.
 
-python -m benchmarks.kernels.decode [--kernels-only | --fp8 | --cuda | --fp8-step | --segments | --prefill | --ncu]
+python -m benchmarks.kernels.decode [--kernels-only | --fp8 | --cuda | --fp8-step | --segments | --prefill | --mixed
+                                     | --ncu]
+
+--mixed: a mixed step's attention, decode and prefill tiles in one launch against two.
 
 --cuda: the fp8 decode alone, the CUDA kernel (2, 4, 8 warps a CTA; 4 without its L2 prefetch) against
 the Triton kernel.
@@ -144,6 +147,38 @@ def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, len
               f"{flops / ms / 1e9:6.1f} TFLOP/s")
 
 
+# (name, decodes, their contexts from [lo, hi), prompt chunk tokens, the chunk's context)
+MIXED_SHAPES = [("online test: 16 decodes + a 240-token chunk", 16, (1024, 1280), 240, 768),
+                ("64 decodes + a 192-token chunk", 64, (1024, 1536), 192, 512),
+                ("256 decodes + a 256-token chunk", 256, (1024, 2048), 256, 0),
+                ("332 decodes + a fresh 1024-token prompt", 332, (1024, 2048), 1024, 0)]
+
+
+def mixed_launches(kv_dtype=torch.bfloat16, heads=32, kv_heads=8) -> None:
+    """A mixed step's attention (decodes beside a prompt chunk, unsplit, as in a padded graph step): its
+    decode and prefill tiles in one launch against two launches, beside each kind alone. The fp8 decodes are
+    the Triton kernel's (the CUDA one serves only eager steps)."""
+    sms = sm_count(torch.device("cuda"))
+    rng = np.random.default_rng(5)
+    print(f"\n== a mixed step's attention, Qwen3-8B heads, K/V {kv_dtype}: us a layer")
+    for name, decodes, (lo, hi), chunk, chunk_ctx in MIXED_SHAPES:
+        ctxs = [int(c) for c in rng.integers(lo, hi, decodes)]
+        cache, q, meta = paged_inputs(heads, kv_heads, [1] * decodes + [chunk], ctxs + [chunk_ctx], kv_dtype)
+        be = TritonAttentionBackend(heads, kv_heads, D, sms)
+        be.CUDA_FP8_DECODE = False
+        be.decode_segments = lambda b, s: 1
+        be.prepare(meta, BS)
+        st = meta.backend_state
+        times = {}
+        for arm, one in (("one launch", True), ("two launches", False)):
+            be.ONE_LAUNCH = one
+            times[arm] = kernel_ms(lambda: be.attend(q, cache, meta, D ** -0.5), 200)
+        out = torch.empty_like(q)
+        for arm, launch in (("decodes alone", st.decode), ("chunk alone", st.prefill)):
+            times[arm] = kernel_ms(lambda launch=launch: be._launch(q, cache, out, meta, st, launch, D ** -0.5), 200)
+        print(f"  {name:<42}" + "  ".join(f"{arm} {ms * 1000:6.1f}" for arm, ms in times.items()))
+
+
 def ncu_launches() -> None:
     cache, q, meta = paged_inputs(32, 8, [1] * 256, [1536] * 256, torch.float8_e4m3fn)
     be = TritonAttentionBackend(32, 8, D, sm_count(cache.device))
@@ -155,6 +190,10 @@ def ncu_launches() -> None:
 
 if __name__ == "__main__":
     kernels_only = "--kernels-only" in sys.argv
+    if "--mixed" in sys.argv:
+        for kv in (torch.bfloat16, torch.float8_e4m3fn):
+            mixed_launches(kv)
+        sys.exit(0)
     if "--prefill" in sys.argv:
         prefill_alone(torch.bfloat16)
         prefill_alone(torch.float8_e4m3fn)

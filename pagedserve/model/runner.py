@@ -237,10 +237,10 @@ class ModelRunner:
         each sampler path. Every new token goes to the trash slot; nothing in the pool is touched."""
         t0 = time.perf_counter()
         dev = self.device
-        # a decode-only step (its attention is a kernel of its own), then a mixed one (request 0 prefills
-        # two tokens, request 1 decodes one); all read block 0, which nobody owns yet
+        # a decode-only step (its attention is a kernel of its own), a mixed one (request 0 prefills two
+        # tokens, request 1 decodes one) and a prompt alone; all read block 0, which nobody owns yet
         variants = 0
-        for query_lens in (np.array([1]), np.array([2, 1])):
+        for query_lens in (np.array([1]), np.array([2, 1]), np.array([2])):
             n = int(query_lens.sum())
             slots = torch.full((n,), self.trash_slot, dtype=torch.long, device=dev)
             meta = self._metadata(slots, query_lens, np.full(len(query_lens), 2, dtype=np.int32),

@@ -6,8 +6,8 @@ padded), so a decode step still feeds the tensor cores. It walks the request's k
 finding each key's physical block through the block table, with an online softmax in float32.
 
 Decode tiles may be split over NUM_SEGMENTS programs along the keys (flash-decoding); each writes a
-partial (acc, max, sum) and a second kernel merges them. Decode and prefill tiles are launched
-separately so each gets a tile shape that suits it.
+partial (acc, max, sum) and a second kernel merges them. Decode and prefill tiles each get a tile shape
+that suits them; a mixed step whose decodes are not split runs both kinds in one launch.
 
 Tested against the torch reference backend: on CPU under TRITON_INTERPRET=1 (tests/test_triton_attention.py)
 and on the GPU on real shapes (benchmarks/gpu_check.py).
@@ -64,7 +64,7 @@ def _prefetch_first_tile(K, table, kv_end, seg, stride_kvkv, stride_kvb, stride_
 def _attend_segment(q, K, table, kv_end, qpos, qk_scale, seg, stride_kvkv, stride_kvb, stride_kvs,
                     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
                     PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP16_DOTS: tl.constexpr,
-                    V_CVT_ASM: tl.constexpr):
+                    V_CVT_ASM: tl.constexpr, STAGES: tl.constexpr):
     """The online softmax (m, s_sum, acc) of q's rows over segment ``seg`` of NUM_SEGMENTS of one request's
     key tiles before ``kv_end``: ``K`` is the cache at this KV head, ``table`` the request's block table;
     rows are causal up to ``qpos`` unless BLOCK_Q is 1 (a decode sees every key)."""
@@ -77,7 +77,7 @@ def _attend_segment(q, K, table, kv_end, qpos, qk_scale, seg, stride_kvkv, strid
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     d = tl.arange(0, HEAD_DIM)
     V = K + stride_kvkv
-    for j in range(first, last):
+    for j in tl.range(first, last, num_stages=STAGES):
         kpos = j * TILE + tl.arange(0, TILE)
         kmask = kpos < kv_end
         blk = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
@@ -106,21 +106,15 @@ def _attend_segment(q, K, table, kv_end, qpos, qk_scale, seg, stride_kvkv, strid
     return m, s_sum, acc
 
 
-# the block-table stride is the widest table of the step: not specialized on (divisibility by 16, == 1),
-# or every new width class would compile the kernel again in the middle of serving
-@triton.jit(do_not_specialize=["stride_bt"])
-def _paged_attention(
-    Q, KV, Out, PartAcc, PartML,
-    block_tables, seq_lens, query_start, tile_seq, tile_qoff,
-    scale,
+@triton.jit
+def _attend_tile(
+    Q, KV, Out, PartAcc, PartML, block_tables, seq_lens, query_start, tile_seq, tile_qoff, tile, kvh, seg, scale,
     stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP16_DOTS: tl.constexpr,
-    V_CVT_ASM: tl.constexpr,
+    V_CVT_ASM: tl.constexpr, STAGES: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    seg = tl.program_id(2)
+    """Query tile ``tile`` of (tile_seq, tile_qoff) at KV head ``kvh``: its output, or segment ``seg``'s partial."""
     seq = tl.load(tile_seq + tile)
     q_off = tl.load(tile_qoff + tile)
     q_start = tl.load(query_start + seq)
@@ -147,10 +141,54 @@ def _paged_attention(
     kv_end = tl.minimum(seq_len, ctx + q_off + BLOCK_Q)
     m, s_sum, acc = _attend_segment(q, KV + kvh * stride_kvh, block_tables + seq * stride_bt, kv_end, qpos, qk_scale,
                                     seg, stride_kvkv, stride_kvb, stride_kvs, BLOCK_Q, BLOCK_M, HEAD_DIM, TILE, PAGE,
-                                    NUM_SEGMENTS, FP16_DOTS, V_CVT_ASM)
+                                    NUM_SEGMENTS, FP16_DOTS, V_CVT_ASM, STAGES)
 
     _finish(Out, PartAcc, PartML, m, s_sum, acc, q_start + tok, tile, head, seg, G * tl.num_programs(1), row_valid,
             stride_ot, stride_oh, HEAD_DIM, NUM_SEGMENTS)
+
+
+# the block-table stride is the widest table of the step: not specialized on (divisibility by 16, == 1),
+# or every new width class would compile the kernel again in the middle of serving
+@triton.jit(do_not_specialize=["stride_bt"])
+def _paged_attention(
+    Q, KV, Out, PartAcc, PartML,
+    block_tables, seq_lens, query_start, tile_seq, tile_qoff,
+    scale,
+    stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
+    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, FP16_DOTS: tl.constexpr,
+    V_CVT_ASM: tl.constexpr, STAGES: tl.constexpr,
+):
+    _attend_tile(Q, KV, Out, PartAcc, PartML, block_tables, seq_lens, query_start, tile_seq, tile_qoff,
+                 tl.program_id(0), tl.program_id(1), tl.program_id(2), scale, stride_qt, stride_qh, stride_kvkv,
+                 stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh, G, BLOCK_Q, BLOCK_M, HEAD_DIM,
+                 TILE, PAGE, NUM_SEGMENTS, FP16_DOTS, V_CVT_ASM, STAGES)
+
+
+# the decode tile count changes with every eager step's batch: not specialized on, as stride_bt
+@triton.jit(do_not_specialize=["stride_bt", "num_decode"])
+def _mixed_attention(
+    Q, KV, Out, block_tables, seq_lens, query_start, dec_seq, dec_qoff, pre_seq, pre_qoff, num_decode, scale,
+    stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, FP16_DOTS: tl.constexpr,
+    DEC_BLOCK_M: tl.constexpr, DEC_TILE: tl.constexpr, DEC_STAGES: tl.constexpr, DEC_V_ASM: tl.constexpr,
+    PRE_BLOCK_Q: tl.constexpr, PRE_BLOCK_M: tl.constexpr, PRE_TILE: tl.constexpr, PRE_STAGES: tl.constexpr,
+):
+    """A mixed step's decode tiles (the first ``num_decode`` programs along axis 0) and prefill tiles in one
+    launch, each with its own tile shape: the memory-bound decodes and the compute-bound prompt tiles share
+    the SMs instead of each launch leaving part of them idle."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if tile < num_decode:
+        _attend_tile(Q, KV, Out, Out, Out, block_tables, seq_lens, query_start, dec_seq, dec_qoff, tile, kvh, 0,
+                     scale, stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt,
+                     stride_ot, stride_oh, G, 1, DEC_BLOCK_M, HEAD_DIM, DEC_TILE, PAGE, 1, FP16_DOTS, DEC_V_ASM,
+                     DEC_STAGES)
+    else:
+        _attend_tile(Q, KV, Out, Out, Out, block_tables, seq_lens, query_start, pre_seq, pre_qoff, tile - num_decode,
+                     kvh, 0, scale, stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt,
+                     stride_ot, stride_oh, G, PRE_BLOCK_Q, PRE_BLOCK_M, HEAD_DIM, PRE_TILE, PAGE, 1, FP16_DOTS, False,
+                     PRE_STAGES)
 
 
 @triton.jit
@@ -211,7 +249,7 @@ def _fused_decode(
     G: tl.constexpr, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     FP16_DOTS: tl.constexpr, V_CVT_ASM: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, STAGES: tl.constexpr,
 ):
     """A decode-only step's attention as one kernel a layer instead of three (qkv_rope_store, the
     attention, the merge): at small batches the launches, not the bytes, were the cost.
@@ -265,7 +303,7 @@ def _fused_decode(
     cached = tl.maximum(seq_len - 1, 0)  # keys already in the cache; the new one is added below
     m, s_sum, acc = _attend_segment(q, KV + kvh * stride_kvh, block_tables + row * stride_bt, cached, cached, qk_scale,
                                     seg, stride_kvkv, stride_kvb, stride_kvs, 1, BLOCK_M, HEAD_DIM, TILE, PAGE,
-                                    NUM_SEGMENTS, FP16_DOTS, V_CVT_ASM)
+                                    NUM_SEGMENTS, FP16_DOTS, V_CVT_ASM, STAGES)
 
     if seg == NUM_SEGMENTS - 1:
         if QK_NORM:
@@ -347,6 +385,7 @@ class TritonAttentionBackend:
     FP8_SPLIT_WARPS = 2  # fp8 decodes split over segments (V cast, not converted by asm)
     CUDA_FP8_DECODE = True  # e4m3 decodes not split: the CUDA kernel of cuda_decode.py where it applies
     FUSED_DECODE = True  # decode-only steps in one kernel (_fused_decode); off only to measure what it saves
+    ONE_LAUNCH = True  # a mixed step's unsplit Triton decodes and prefill tiles in one launch; off only to measure
     DECODE_PDL = True  # one sequence's fused decode as a programmatic dependent (sm_90+); off only to measure
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132, has_pdl: bool = False):
@@ -411,8 +450,8 @@ class TritonAttentionBackend:
     def padded_state(self, arrays: Mapping[str, torch.Tensor]) -> TritonState:
         """Launches of fixed size over the device arrays of ``padded_fields``, with the row after the last
         sequence left empty (no tokens, no keys): ``fill_padded`` gives each step's values, and tiles the step
-        does not use point at the empty row, so the kernels skip them. Decodes are not split, so no merge
-        is launched."""
+        does not use point at the empty row, so the kernels skip them. Decodes are not split, so a step with
+        prompt tokens runs its attention in one launch and no merge."""
         decode_tiles = arrays["decode_tiles"]
         decode = _Launch(decode_tiles, torch.zeros_like(decode_tiles), 1, self.decode_block_m, 1)
         prefill = _Launch(arrays["prefill_tiles"], arrays["prefill_offsets"], self.prefill_block_q,
@@ -445,10 +484,10 @@ class TritonAttentionBackend:
 
     def variants(self, meta: AttentionMetadata, max_seq_len: int) -> Iterator[None]:
         """Decode tiles at every split factor ``decode_segments`` can return (powers of two up to that of
-        one long decode), next to the step's prefill tiles."""
+        one long decode), next to the step's prefill tiles; once for a step without decodes."""
         decode_seqs, prefill_tiles = self._tiles(meta.query_lens_cpu)
-        segs = 1
-        while segs <= self.decode_segments(1, max_seq_len):
+        segs, top = 1, self.decode_segments(1, max_seq_len) if len(decode_seqs) else 1
+        while segs <= top:
             meta.backend_state = self.make_state(meta.seq_lens.device, decode_seqs, prefill_tiles, segs)
             yield
             segs *= 2
@@ -496,7 +535,7 @@ class TritonAttentionBackend:
             G=self.G, G_POW2=self.g_pow2, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             NUM_Q=self.num_heads, NUM_KV=self.num_kv_heads, TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs,
             FP16_DOTS=fp8, V_CVT_ASM=v_asm, QK_NORM=qw is not None, PDL=pdl,
-            PREFETCH_LINES=max(1, self.head_dim * kv_cache.element_size() // 128) if prefetch else 0,
+            PREFETCH_LINES=max(1, self.head_dim * kv_cache.element_size() // 128) if prefetch else 0, STAGES=stages,
             num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
         )
         return out
@@ -504,6 +543,10 @@ class TritonAttentionBackend:
     def attend(self, q, kv_cache, meta, scale):
         st: TritonState = meta.backend_state
         out = torch.empty_like(q)
+        if (self.ONE_LAUNCH and st.decode is not None and st.prefill is not None and st.decode.num_segments == 1
+                and not (CudaFp8Decode.takes(q) and self._cuda_kernel(q.dtype, kv_cache, st.decode, st))):
+            self._launch_mixed(q, kv_cache, out, meta, st, scale)
+            return out
         for launch in (st.decode, st.prefill):
             if launch is not None:
                 self._launch(q, kv_cache, out, meta, st, launch, scale)
@@ -529,6 +572,27 @@ class TritonAttentionBackend:
             self._cuda_decode[page] = CudaFp8Decode.build(self.G, self.num_kv_heads, self.head_dim, page, kv_cache.device)
         return self._cuda_decode[page]
 
+    @staticmethod
+    def _strides(q, kv_cache, meta, out) -> tuple[int, ...]:
+        """The strides the attention kernels take, in their order (stride_qt … stride_oh)."""
+        return (q.stride(0), q.stride(1), *kv_cache.stride()[:4], meta.block_tables.stride(0),
+                out.stride(0), out.stride(1))
+
+    def _launch_mixed(self, q, kv_cache, out, meta, st: TritonState, scale) -> None:
+        dec, pre = st.decode, st.prefill
+        fp8 = kv_cache.element_size() == 1
+        dec_tile, _, dec_stages, v_asm = self._shape(dec, st, fp8, kv_cache.is_cuda)
+        pre_tile, warps, pre_stages, _ = self._shape(pre, st, fp8, kv_cache.is_cuda)
+        num_decode = dec.tile_seq.shape[0]
+        _mixed_attention[(num_decode + pre.tile_seq.shape[0], self.num_kv_heads)](
+            q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, dec.tile_seq, dec.tile_qoff,
+            pre.tile_seq, pre.tile_qoff, num_decode, scale, *self._strides(q, kv_cache, meta, out),
+            G=self.G, HEAD_DIM=self.head_dim, PAGE=kv_cache.shape[2], FP16_DOTS=fp8,
+            DEC_BLOCK_M=dec.block_m, DEC_TILE=dec_tile, DEC_STAGES=dec_stages, DEC_V_ASM=v_asm,
+            PRE_BLOCK_Q=pre.block_q, PRE_BLOCK_M=pre.block_m, PRE_TILE=pre_tile, PRE_STAGES=pre_stages,
+            num_warps=warps, num_stages=max(dec_stages, pre_stages),
+        )
+
     def _launch(self, q, kv_cache, out, meta, st, launch: _Launch, scale):
         cuda = self._cuda_kernel(q.dtype, kv_cache, launch, st) if CudaFp8Decode.takes(q) else None
         if cuda is not None:
@@ -542,12 +606,10 @@ class TritonAttentionBackend:
         _paged_attention[grid](
             q, kv_cache, out, st.part_acc if split else out, st.part_ml if split else out,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, launch.tile_seq, launch.tile_qoff,
-            scale,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            meta.block_tables.stride(0), out.stride(0), out.stride(1),
+            scale, *self._strides(q, kv_cache, meta, out),
             G=self.G, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, HEAD_DIM=self.head_dim,
             TILE=tile, PAGE=kv_cache.shape[2], NUM_SEGMENTS=segs, FP16_DOTS=fp8,
-            V_CVT_ASM=v_asm,
+            V_CVT_ASM=v_asm, STAGES=stages,
             num_warps=warps, num_stages=stages,
         )
         if split:
