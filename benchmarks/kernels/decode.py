@@ -156,8 +156,8 @@ MIXED_SHAPES = [("online test: 16 decodes + a 240-token chunk", 16, (1024, 1280)
 
 def mixed_launches(kv_dtype=torch.bfloat16, heads=32, kv_heads=8) -> None:
     """A mixed step's attention (decodes beside a prompt chunk, unsplit, as in a padded graph step): its
-    decode and prefill tiles in one launch against two launches, beside each kind alone. The fp8 decodes are
-    the Triton kernel's (the CUDA one serves only eager steps)."""
+    decode and prefill tiles in one launch against two launches, beside each kind alone, and which of the two
+    the engine takes. The fp8 decodes are the Triton kernel's (the CUDA one serves only eager steps)."""
     sms = sm_count(torch.device("cuda"))
     rng = np.random.default_rng(5)
     print(f"\n== a mixed step's attention, Qwen3-8B heads, K/V {kv_dtype}: us a layer")
@@ -168,15 +168,19 @@ def mixed_launches(kv_dtype=torch.bfloat16, heads=32, kv_heads=8) -> None:
         be.CUDA_FP8_DECODE = False
         be.decode_segments = lambda b, s: 1
         be.prepare(meta, BS)
-        st = meta.backend_state
-        times = {}
-        for arm, one in (("one launch", True), ("two launches", False)):
-            be.ONE_LAUNCH = one
-            times[arm] = kernel_ms(lambda: be.attend(q, cache, meta, D ** -0.5), 200)
-        out = torch.empty_like(q)
+        st, out, scale = meta.backend_state, torch.empty_like(q), D ** -0.5
+
+        def two():
+            be._launch(q, cache, out, meta, st, st.decode, scale)
+            be._launch(q, cache, out, meta, st, st.prefill, scale)
+
+        times = {"one launch": kernel_ms(lambda: be._launch_mixed(q, cache, out, meta, st, scale), 200),
+                 "two launches": kernel_ms(two, 200)}
         for arm, launch in (("decodes alone", st.decode), ("chunk alone", st.prefill)):
-            times[arm] = kernel_ms(lambda launch=launch: be._launch(q, cache, out, meta, st, launch, D ** -0.5), 200)
-        print(f"  {name:<42}" + "  ".join(f"{arm} {ms * 1000:6.1f}" for arm, ms in times.items()))
+            times[arm] = kernel_ms(lambda launch=launch: be._launch(q, cache, out, meta, st, launch, scale), 200)
+        taken = "one" if be._one_launch(q, cache, st) else "two"
+        print(f"  {name:<44}" + "  ".join(f"{arm} {ms * 1000:6.1f}" for arm, ms in times.items())
+              + f"  (the engine: {taken})")
 
 
 def ncu_launches() -> None:

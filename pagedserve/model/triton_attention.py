@@ -385,7 +385,8 @@ class TritonAttentionBackend:
     FP8_SPLIT_WARPS = 2  # fp8 decodes split over segments (V cast, not converted by asm)
     CUDA_FP8_DECODE = True  # e4m3 decodes not split: the CUDA kernel of cuda_decode.py where it applies
     FUSED_DECODE = True  # decode-only steps in one kernel (_fused_decode); off only to measure what it saves
-    ONE_LAUNCH = True  # a mixed step's unsplit Triton decodes and prefill tiles in one launch; off only to measure
+    # a mixed step's decodes and prefill tiles in one launch where _one_launch allows; off only to measure
+    ONE_LAUNCH = True
     DECODE_PDL = True  # one sequence's fused decode as a programmatic dependent (sm_90+); off only to measure
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132, has_pdl: bool = False):
@@ -543,14 +544,23 @@ class TritonAttentionBackend:
     def attend(self, q, kv_cache, meta, scale):
         st: TritonState = meta.backend_state
         out = torch.empty_like(q)
-        if (self.ONE_LAUNCH and st.decode is not None and st.prefill is not None and st.decode.num_segments == 1
-                and not (CudaFp8Decode.takes(q) and self._cuda_kernel(q.dtype, kv_cache, st.decode, st))):
+        if self._one_launch(q, kv_cache, st):
             self._launch_mixed(q, kv_cache, out, meta, st, scale)
             return out
         for launch in (st.decode, st.prefill):
             if launch is not None:
                 self._launch(q, kv_cache, out, meta, st, launch, scale)
         return out
+
+    def _one_launch(self, q, kv_cache, st: TritonState) -> bool:
+        """Whether a mixed step's decode and prefill tiles go in one launch: unsplit Triton decodes whose own
+        launch has the prefill tiles' warps (an fp8 decode runs on one warp, and slower on four)."""
+        if not (self.ONE_LAUNCH and st.decode is not None and st.prefill is not None and st.decode.num_segments == 1):
+            return False
+        if CudaFp8Decode.takes(q) and self._cuda_kernel(q.dtype, kv_cache, st.decode, st) is not None:
+            return False
+        fp8, on_gpu = kv_cache.element_size() == 1, kv_cache.is_cuda
+        return self._shape(st.decode, st, fp8, on_gpu)[1] == self._shape(st.prefill, st, fp8, on_gpu)[1]
 
     def _shape(self, launch: _Launch, st: TritonState, fp8: bool, on_gpu: bool) -> tuple[int, int, int, bool]:
         """(keys a step, warps, pipeline stages, V by asm) of one launch: each kind gets what measured best."""
