@@ -408,17 +408,19 @@ def test_a_recording_replayed_faster_on_the_simulator(tmp_path):
 
 
 @pytest.mark.parametrize("measured_dir, calibration, ttft_bound", [
-    ("h200-538b850", "h200-qwen3-8b-bf16", 0.15), ("h100-b48d96c", "h100-qwen3-8b-bf16", 0.15)])
+    ("h200-538b850", "h200-qwen3-8b-bf16", 0.15), ("h100-baa4879", "h100-qwen3-8b-bf16", 0.15)])
 def test_the_shipped_8b_calibrations_replay_the_ladders_measured_on_their_gpus(tmp_path, measured_dir, calibration,
                                                                                ttft_bound):
     """The reference ladder as each GPU measured it (kept in benchmarks/sim/measured), simulated on the
     shipped calibration of the same tree: knee and recommendation where the GPU put them; at every rung output
     throughput within 5 %, p95 E2EL within 6 %, mean ITL within 5 % and p95 TTFT within 15 %; p95 ITL within
-    10 % up to the recommended rung (H200: 5 %, 4 %, 3 %, 13 % and 4 % at worst; H100: 2 %, 3 %, 2 %, 6 % and
-    4 %). Past the knee the p95 ITL falls where decode-only steps give way to steps that carry a prompt
-    chunk, so a point's share of either moves it by a third (H100 at 32 in flight: 10.2 ms measured, 7.8
-    simulated, mean ITLs 8.2 and 8.0). A change to the engine's scheduling that moves this apart either
-    models the GPU worse, or changed what the GPU would measure (then measure the ladder again)."""
+    10 % up to the recommended rung (H200: 5 %, 4 %, 3 %, 12 % and 4 % at worst; H100: 3 %, 2 %, 2 %, 6 % and
+    2 %). Past the knee the p95 ITL falls where decode-only steps give way to steps that carry a prompt
+    chunk, so a point's share of either moves it by a third (H100 at 32 in flight, b48d96c: 10.2 ms
+    measured, 7.8 simulated, mean ITLs 8.2 and 8.0). At one in flight nothing queues and a p95 of 16 requests
+    is its slowest one or two, which one host hiccup decides (30.0 and 44.9 ms in two runs of one tree on one
+    H100): there the median TTFT is held instead. A change to the engine's scheduling that moves this apart
+    either models the GPU worse, or changed what the GPU would measure (then measure the ladder again)."""
     from pathlib import Path
 
     measured = json.loads((Path(__file__).parents[1] / "benchmarks/sim/measured" / measured_dir / "qwen3-8b/sweep.json")
@@ -433,7 +435,8 @@ def test_the_shipped_8b_calibrations_replay_the_ladders_measured_on_their_gpus(t
         (lm["knee"]["knee_load"], lm["knee"]["recommended_load"]) == (32, 16)
     for rm, rs in zip(lm["rungs"], ls["rungs"], strict=True):
         assert rs["load"] == rm["load"]
-        bounds = {"output_throughput": 0.05, "p95_e2el_ms": 0.06, "mean_itl_ms": 0.05, "p95_ttft_ms": ttft_bound}
+        ttft = "median_ttft_ms" if rm["load"] == 1 else "p95_ttft_ms"
+        bounds = {"output_throughput": 0.05, "p95_e2el_ms": 0.06, "mean_itl_ms": 0.05, ttft: ttft_bound}
         if rm["load"] <= lm["knee"]["recommended_load"]:
             bounds["p95_itl_ms"] = 0.1
         for key, bound in bounds.items():

@@ -28,12 +28,16 @@ simulated() {  # NAME MODEL CALIBRATION SERVE_FLAGS MEASURED_DIR [SWEEP FLAGS]: 
   python3 -m benchmarks.sim.accuracy "$5" "$R/$1-simulated"
 }
 
+latest() {  # GPU LADDER: the kept measurement of that ladder on that GPU with the latest date
+  for d in benchmarks/sim/measured/$1-*/$2; do echo "$(grep -o '"date": "[^"]*"' $d/sweep.json | head -1) $d"; done \
+    | sort | tail -1 | awk '{print $NF}'
+}
+
 stored() {  # MEASURED_GPU CALIBRATION_GPU [SWEEP FLAGS]: the three kept ladders of one GPU, simulated
-  M=$(ls -d benchmarks/sim/measured/$1-* | tail -1)
-  simulated "$1-qwen3-8b" Qwen/Qwen3-8B "$2-qwen3-8b-bf16" "$DOC" $M/qwen3-8b "${3:-}"
-  simulated "$1-qwen3-0.6b" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC" $M/qwen3-0.6b "${3:-}"
+  simulated "$1-qwen3-8b" Qwen/Qwen3-8B "$2-qwen3-8b-bf16" "$DOC" $(latest $1 qwen3-8b) "${3:-}"
+  simulated "$1-qwen3-0.6b" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC" $(latest $1 qwen3-0.6b) "${3:-}"
   simulated "$1-qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC --kv-cache-memory 1GiB" \
-    $M/qwen3-0.6b-preempt "${3:-}"
+    $(latest $1 qwen3-0.6b-preempt) "${3:-}"
 }
 
 ladders() {  # NAME MODEL CALIBRATION SERVE_FLAGS: measure, then as simulated()
