@@ -156,8 +156,8 @@ MIXED_SHAPES = [("online test: 16 decodes + a 240-token chunk", 16, (1024, 1280)
 
 def mixed_launches(kv_dtype=torch.bfloat16, heads=32, kv_heads=8) -> None:
     """A mixed step's attention (decodes beside a prompt chunk, unsplit, as in a padded graph step): its
-    decode and prefill tiles in one launch against two launches, beside each kind alone, with the decodes
-    split over segments where a padded step of that many decodes splits them, and which the engine takes. The fp8 decodes are the Triton kernel's (the CUDA one serves only eager steps)."""
+    decode and prefill tiles in one launch against two launches, beside each kind alone, and which of the two
+    the engine takes. The fp8 decodes are the Triton kernel's (the CUDA one serves only eager steps)."""
     sms = sm_count(torch.device("cuda"))
     rng = np.random.default_rng(5)
     print(f"\n== a mixed step's attention, Qwen3-8B heads, K/V {kv_dtype}: us a layer")
@@ -166,8 +166,6 @@ def mixed_launches(kv_dtype=torch.bfloat16, heads=32, kv_heads=8) -> None:
         cache, q, meta = paged_inputs(heads, kv_heads, [1] * decodes + [chunk], ctxs + [chunk_ctx], kv_dtype)
         be = TritonAttentionBackend(heads, kv_heads, D, sms)
         be.CUDA_FP8_DECODE = False
-        be.prepare(meta, BS)  # the backend's split for this many decodes, as a padded step of them takes it
-        split = meta.backend_state if meta.backend_state.decode.num_segments > 1 else None
         be.decode_segments = lambda b, s: 1
         be.prepare(meta, BS)
         st, out, scale = meta.backend_state, torch.empty_like(q), D ** -0.5
@@ -178,12 +176,9 @@ def mixed_launches(kv_dtype=torch.bfloat16, heads=32, kv_heads=8) -> None:
 
         times = {"one launch": kernel_ms(lambda: be._launch_mixed(q, cache, out, meta, st, scale), 200),
                  "two launches": kernel_ms(two, 200)}
-        if split is not None:
-            arm = f"one, {split.decode.num_segments} segments"
-            times[arm] = kernel_ms(lambda: be._launch_mixed(q, cache, out, meta, split, scale), 200)
         for arm, launch in (("decodes alone", st.decode), ("chunk alone", st.prefill)):
             times[arm] = kernel_ms(lambda launch=launch: be._launch(q, cache, out, meta, st, launch, scale), 200)
-        taken = "one" if be._one_launch(q, cache, split or st) else "two"
+        taken = "one" if be._one_launch(q, cache, st) else "two"
         print(f"  {name:<44}" + "  ".join(f"{arm} {ms * 1000:6.1f}" for arm, ms in times.items())
               + f"  (the engine: {taken})")
 

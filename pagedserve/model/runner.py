@@ -346,7 +346,7 @@ class ModelRunner:
             inputs = GraphInputs(self._prompt_inputs, self._prompt_fields(rows, size))
             meta = AttentionMetadata(inputs["slots"], inputs["starts"], inputs["seq_lens"], self._prompt_tables, size,
                                      self.config.max_model_len, np.zeros(0, dtype=np.int64),
-                                     self.backend.padded_state(inputs, self.config.max_model_len))
+                                     self.backend.padded_state(inputs))
 
             def run(inputs=inputs, meta=meta):
                 return self.model(inputs["ids"], inputs["positions"], self.kv_caches, meta)

@@ -6,9 +6,8 @@ padded), so a decode step still feeds the tensor cores. It walks the request's k
 finding each key's physical block through the block table, with an online softmax in float32.
 
 Decode tiles may be split over NUM_SEGMENTS programs along the keys (flash-decoding); each writes a
-partial (acc, max, sum), and a second kernel, or within one launch the program that finishes last, merges
-them. Decode and prefill tiles each get a tile shape that suits them; a mixed step runs both kinds in one
-launch where their warps agree.
+partial (acc, max, sum) and a second kernel merges them. Decode and prefill tiles each get a tile shape
+that suits them; a mixed step whose decodes are not split runs both kinds in one launch.
 
 Tested against the torch reference backend: on CPU under TRITON_INTERPRET=1 (tests/test_triton_attention.py)
 and on the GPU on real shapes (benchmarks/gpu_check.py).
@@ -169,42 +168,27 @@ def _paged_attention(
 # the decode tile count changes with every eager step's batch: not specialized on, as stride_bt
 @triton.jit(do_not_specialize=["stride_bt", "num_decode"])
 def _mixed_attention(
-    Q, KV, Out, PartAcc, PartML, Counter, block_tables, seq_lens, query_start, dec_seq, dec_qoff, pre_seq, pre_qoff,
-    num_decode, scale,
+    Q, KV, Out, block_tables, seq_lens, query_start, dec_seq, dec_qoff, pre_seq, pre_qoff, num_decode, scale,
     stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh,
-    G: tl.constexpr, G_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, FP16_DOTS: tl.constexpr,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, FP16_DOTS: tl.constexpr,
     DEC_BLOCK_M: tl.constexpr, DEC_TILE: tl.constexpr, DEC_STAGES: tl.constexpr, DEC_V_ASM: tl.constexpr,
-    DEC_SEGMENTS: tl.constexpr,
     PRE_BLOCK_Q: tl.constexpr, PRE_BLOCK_M: tl.constexpr, PRE_TILE: tl.constexpr, PRE_STAGES: tl.constexpr,
 ):
-    """A mixed step's decode tiles (the first ``num_decode`` x DEC_SEGMENTS programs along axis 0) and prefill
-    tiles in one launch, each with its own tile shape: the memory-bound decodes and the compute-bound prompt
-    tiles share the SMs instead of each launch leaving part of them idle. Decodes split over segments are
-    merged by the program that finishes a (decode, KV head) last, as in the fused decode; a decode tile
-    without a token (a padded step's unused tile) does nothing."""
-    pid = tl.program_id(0)
+    """A mixed step's decode tiles (the first ``num_decode`` programs along axis 0) and prefill tiles in one
+    launch, each with its own tile shape: the memory-bound decodes and the compute-bound prompt tiles share
+    the SMs instead of each launch leaving part of them idle."""
+    tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    if pid < num_decode * DEC_SEGMENTS:
-        tile = pid // DEC_SEGMENTS
-        seq = tl.load(dec_seq + tile)
-        out_row = tl.load(query_start + seq)
-        if tl.load(query_start + seq + 1) > out_row:
-            _attend_tile(Q, KV, Out, PartAcc, PartML, block_tables, seq_lens, query_start, dec_seq, dec_qoff, tile,
-                         kvh, pid % DEC_SEGMENTS, scale, stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs,
-                         stride_kvh, stride_bt, stride_ot, stride_oh, G, 1, DEC_BLOCK_M, HEAD_DIM, DEC_TILE, PAGE,
-                         DEC_SEGMENTS, FP16_DOTS, DEC_V_ASM, DEC_STAGES)
-            if DEC_SEGMENTS > 1:
-                tl.debug_barrier()  # every thread's partials are written before the count says so
-                count = Counter + tile * tl.num_programs(1) + kvh
-                if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == DEC_SEGMENTS - 1:
-                    _merge_heads(PartAcc, PartML, Out, tile, out_row, kvh, G * tl.num_programs(1), stride_ot,
-                                 stride_oh, G, G_POW2, HEAD_DIM, DEC_SEGMENTS)
-                    tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+    if tile < num_decode:
+        _attend_tile(Q, KV, Out, Out, Out, block_tables, seq_lens, query_start, dec_seq, dec_qoff, tile, kvh, 0,
+                     scale, stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt,
+                     stride_ot, stride_oh, G, 1, DEC_BLOCK_M, HEAD_DIM, DEC_TILE, PAGE, 1, FP16_DOTS, DEC_V_ASM,
+                     DEC_STAGES)
     else:
-        _attend_tile(Q, KV, Out, Out, Out, block_tables, seq_lens, query_start, pre_seq, pre_qoff,
-                     pid - num_decode * DEC_SEGMENTS, kvh, 0, scale, stride_qt, stride_qh, stride_kvkv, stride_kvb,
-                     stride_kvs, stride_kvh, stride_bt, stride_ot, stride_oh, G, PRE_BLOCK_Q, PRE_BLOCK_M, HEAD_DIM,
-                     PRE_TILE, PAGE, 1, FP16_DOTS, False, PRE_STAGES)
+        _attend_tile(Q, KV, Out, Out, Out, block_tables, seq_lens, query_start, pre_seq, pre_qoff, tile - num_decode,
+                     kvh, 0, scale, stride_qt, stride_qh, stride_kvkv, stride_kvb, stride_kvs, stride_kvh, stride_bt,
+                     stride_ot, stride_oh, G, PRE_BLOCK_Q, PRE_BLOCK_M, HEAD_DIM, PRE_TILE, PAGE, 1, FP16_DOTS, False,
+                     PRE_STAGES)
 
 
 @triton.jit
@@ -250,15 +234,11 @@ def _merge_heads(PartAcc, PartML, Out, tile, out_row, kvh, num_q, stride_ot, str
 @triton.jit
 def _merge_segments(PartAcc, PartML, Out, tile_seq, query_start, stride_ot, stride_oh, G: tl.constexpr,
                     G_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
-    """The split decodes of a mixed step, merged: one program per (decode tile, KV head); a tile without a
-    token (a padded step's unused tile) has nothing to merge, and no row of its own to write."""
+    """The split decodes of a mixed step, merged: one program per (decode tile, KV head)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = tl.load(tile_seq + tile)
-    out_row = tl.load(query_start + seq)
-    if tl.load(query_start + seq + 1) > out_row:
-        _merge_heads(PartAcc, PartML, Out, tile, out_row, kvh, G * tl.num_programs(1), stride_ot, stride_oh, G,
-                     G_POW2, HEAD_DIM, NUM_SEGMENTS)
+    _merge_heads(PartAcc, PartML, Out, tile, tl.load(query_start + tl.load(tile_seq + tile)), kvh,
+                 G * tl.num_programs(1), stride_ot, stride_oh, G, G_POW2, HEAD_DIM, NUM_SEGMENTS)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -444,15 +424,13 @@ class TritonAttentionBackend:
         if prefill_tiles.shape[1]:
             prefill = _Launch(to(prefill_tiles[0]), to(prefill_tiles[1]), self.prefill_block_q,
                               max(16, triton.next_power_of_2(self.prefill_block_q * self.G)), 1)
-        return TritonState(decode, prefill, *self._partials(dev, len(decode_seqs), num_segments))
-
-    def _partials(self, dev, decodes: int, segs: int) -> tuple[torch.Tensor | None, ...]:
-        """(acc, max and sum, counts) for ``decodes`` decodes split over ``segs`` segments; None unsplit."""
-        if not decodes or segs == 1:
-            return None, None, None
-        return (torch.empty((decodes, self.num_heads, segs, self.head_dim), dtype=torch.float32, device=dev),
-                torch.empty((decodes, self.num_heads, segs, 2), dtype=torch.float32, device=dev),
-                self._zero_counts(dev, decodes * self.num_kv_heads))
+        part_acc = part_ml = counts = None
+        if decode is not None and num_segments > 1:
+            n = len(decode_seqs)
+            part_acc = torch.empty((n, self.num_heads, num_segments, self.head_dim), dtype=torch.float32, device=dev)
+            part_ml = torch.empty((n, self.num_heads, num_segments, 2), dtype=torch.float32, device=dev)
+            counts = self._zero_counts(dev, n * self.num_kv_heads)
+        return TritonState(decode, prefill, part_acc, part_ml, counts)
 
     def _zero_counts(self, dev, n: int) -> torch.Tensor:
         """One persistent buffer a device, shared by every state and layer (kernels run one after another).
@@ -470,18 +448,16 @@ class TritonAttentionBackend:
         tiles = -(-tokens // self.prefill_block_q) + rows  # each prefilling row may end a tile early
         return [("decode_tiles", rows), ("prefill_tiles", tiles), ("prefill_offsets", tiles)]
 
-    def padded_state(self, arrays: Mapping[str, torch.Tensor], max_seq_len: int) -> TritonState:
+    def padded_state(self, arrays: Mapping[str, torch.Tensor]) -> TritonState:
         """Launches of fixed size over the device arrays of ``padded_fields``, with the row after the last
         sequence left empty (no tokens, no keys): ``fill_padded`` gives each step's values, and tiles the step
-        does not use point at the empty row, so the kernels skip them. Decodes are split as a step of that
-        many decodes up to ``max_seq_len`` keys would be (segments past a decode's keys are empty)."""
+        does not use point at the empty row, so the kernels skip them. Decodes are not split, so a step with
+        prompt tokens runs its attention in one launch and no merge."""
         decode_tiles = arrays["decode_tiles"]
-        rows = len(decode_tiles)
-        segs = self.decode_segments(rows, max_seq_len)
-        decode = _Launch(decode_tiles, torch.zeros_like(decode_tiles), 1, self.decode_block_m, segs)
+        decode = _Launch(decode_tiles, torch.zeros_like(decode_tiles), 1, self.decode_block_m, 1)
         prefill = _Launch(arrays["prefill_tiles"], arrays["prefill_offsets"], self.prefill_block_q,
                           max(16, triton.next_power_of_2(self.prefill_block_q * self.G)), 1)
-        return TritonState(decode, prefill, *self._partials(decode_tiles.device, rows, segs), padded=True)
+        return TritonState(decode, prefill, None, None, None, padded=True)
 
     def fill_padded(self, st: TritonState, query_lens: np.ndarray) -> dict[str, np.ndarray]:
         """The values of ``padded_fields`` for a padded state and a step's query lengths."""
@@ -577,9 +553,9 @@ class TritonAttentionBackend:
         return out
 
     def _one_launch(self, q, kv_cache, st: TritonState) -> bool:
-        """Whether a mixed step's decode and prefill tiles go in one launch: Triton decodes whose own launch has
-        the prefill tiles' warps (an unsplit fp8 decode runs on one warp, and slower on four)."""
-        if not (self.ONE_LAUNCH and st.decode is not None and st.prefill is not None):
+        """Whether a mixed step's decode and prefill tiles go in one launch: unsplit Triton decodes whose own
+        launch has the prefill tiles' warps (an fp8 decode runs on one warp, and slower on four)."""
+        if not (self.ONE_LAUNCH and st.decode is not None and st.prefill is not None and st.decode.num_segments == 1):
             return False
         if CudaFp8Decode.takes(q) and self._cuda_kernel(q.dtype, kv_cache, st.decode, st) is not None:
             return False
@@ -617,14 +593,12 @@ class TritonAttentionBackend:
         fp8 = kv_cache.element_size() == 1
         dec_tile, _, dec_stages, v_asm = self._shape(dec, st, fp8, kv_cache.is_cuda)
         pre_tile, warps, pre_stages, _ = self._shape(pre, st, fp8, kv_cache.is_cuda)
-        num_decode, segs = dec.tile_seq.shape[0], dec.num_segments
-        split = segs > 1  # without segments no program touches the partials or the counts
-        _mixed_attention[(num_decode * segs + pre.tile_seq.shape[0], self.num_kv_heads)](
-            q, kv_cache, out, st.part_acc if split else out, st.part_ml if split else out, st.counts if split else out,
-            meta.block_tables, meta.seq_lens, meta.query_start_loc, dec.tile_seq, dec.tile_qoff,
+        num_decode = dec.tile_seq.shape[0]
+        _mixed_attention[(num_decode + pre.tile_seq.shape[0], self.num_kv_heads)](
+            q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, dec.tile_seq, dec.tile_qoff,
             pre.tile_seq, pre.tile_qoff, num_decode, scale, *self._strides(q, kv_cache, meta, out),
-            G=self.G, G_POW2=self.g_pow2, HEAD_DIM=self.head_dim, PAGE=kv_cache.shape[2], FP16_DOTS=fp8,
-            DEC_BLOCK_M=dec.block_m, DEC_TILE=dec_tile, DEC_STAGES=dec_stages, DEC_V_ASM=v_asm, DEC_SEGMENTS=segs,
+            G=self.G, HEAD_DIM=self.head_dim, PAGE=kv_cache.shape[2], FP16_DOTS=fp8,
+            DEC_BLOCK_M=dec.block_m, DEC_TILE=dec_tile, DEC_STAGES=dec_stages, DEC_V_ASM=v_asm,
             PRE_BLOCK_Q=pre.block_q, PRE_BLOCK_M=pre.block_m, PRE_TILE=pre_tile, PRE_STAGES=pre_stages,
             num_warps=warps, num_stages=max(dec_stages, pre_stages),
         )
