@@ -6,28 +6,28 @@
                      S + c * K for one sequence's decode; and never less than the server's host work,
                      g + h * R, which overlaps the device's
 
-T: tokens in the step (prompt and decode). The projections read every weight once whatever T is, and
-compute 2 x params FLOPs a token: below T* tokens reading the weights is the cost, above it computing is
-(a roofline), hence b * max(T*, T). K: context tokens the decodes' attention reads (their K/V bytes).
-Q: for prompt chunks, query tokens x positions attended (prefill attention grows with both). L: for
-prompt chunks, the positions attended: a short chunk over a long context is a few programs each walking
-every key in turn, so its time follows the context, not the work. p: a step that holds decodes and prompt
-chunks runs both attention paths in every layer (two launches with an fp8 cache, each with its own tail;
-one launch whose two kinds of programs share the SMs with a 16-bit one), which a step of one kind does
-not; a constant, so a 16-bit calibration prices a long chunk's overlap with its decodes at the grid's mean. e: what every step pays (sampling, the copy of the
-tokens back). H: an eager step (a decode batch without a graph, or more prompt tokens than
-the largest prompt graph) cannot end before the host has launched its kernels one by one; M: the same
-for a mixed step, which launches both attention paths in every layer. S: one sequence decodes on the
-one-row GEMV path, its own weights' read. R: requests in the step; g and h: the server's scheduling,
+T: tokens in the step (prompt and decode). The projections read every weight once whatever T is, and compute
+2 x params FLOPs a token: below T* tokens reading the weights is the cost, above it computing is (a
+roofline), hence b * max(T*, T). K: context tokens the decodes' attention reads (their K/V bytes). Q: for
+prompt chunks, query tokens x positions attended (prefill attention grows with both). L: for prompt chunks,
+the positions attended: a short chunk over a long context is a few programs each walking every key in turn,
+so its time follows the context, not the work. p: a step that holds decodes and prompt chunks runs both
+attention paths in every layer (two launches with an fp8 cache, each with its own tail; one launch whose two
+kinds of programs share the SMs with a 16-bit one), which a step of one kind does not; a constant, so a
+16-bit calibration prices a long chunk's overlap with its decodes at the grid's mean. e: what every step
+pays (sampling, the copy of the tokens back). H: an eager step (a decode batch without a graph, or more
+prompt tokens than the largest prompt graph) cannot end before the host has launched its kernels one by one;
+M: the same for a mixed step, which launches both attention paths in every layer. S: one sequence decodes on
+the one-row GEMV path, its own weights' read. R: requests in the step; g and h: the server's scheduling,
 output processing and streaming, which run while the device computes and bound the step when they take
 longer (small models). Apart from steps, a request reaches the engine a fixed time after it is sent (the
-HTTP request, tokenizing, admission), and requests sent at once reach it one after another, a fixed
-spacing apart: the client and the server's way in handle one request at a time. A token reaches the
-client a random delay after its step ends (exponential, its mean growing with the requests in the step:
-the server writes the streams one by one between other work), which spreads the inter-token latencies
-the client sees without slowing the engine. Fitted by least squares on relative error over a scan of T*,
-H and M (the host's terms on their own measurements); each coefficient keeps a physical meaning, so a
-calibration can be read and checked.
+HTTP request, tokenizing, admission), and requests sent at once reach it one after another, a fixed spacing
+apart: the client and the server's way in handle one request at a time. A token reaches the client a random
+delay after its step ends (exponential, its mean growing with the requests in the step: the server writes
+the streams one by one between other work), which spreads the inter-token latencies the client sees without
+slowing the engine. Fitted by least squares on relative error over a scan of T*, H and M (the host's terms
+on their own measurements); each coefficient keeps a physical meaning, so a calibration can be read and
+checked.
 """
 
 from __future__ import annotations
