@@ -42,11 +42,15 @@ def main() -> None:
         # which a long chunk's own keys carry into its scores; the read path below is checked tightly
         ok = err < (5e-2 if kv_dtype is not None else 2e-2) and cache_err < 2e-2
         print(f"{name:<55} rel err {err:.2e} (K/V cache {cache_err:.2e}) {'OK' if ok else 'FAIL'}", flush=True)
-        if kv_dtype is not None:  # the read path on one shared cache: the CUDA decode, Triton's V by asm / cast
-            for label, cuda, asm in (("CUDA decode", True, True), ("Triton, V asm", False, True),
-                                     ("Triton, V cast", False, False)):
+        if kv_dtype is not None:  # the read path on one shared cache: the CUDA decode, Triton's V by asm / cast,
+            # and decodes unsplit as in a graph's padded step (a mixed step's few decodes then share its launch)
+            for label, cuda, asm, unsplit in (("CUDA decode", True, True, False), ("Triton, V asm", False, True, False),
+                                              ("Triton, V cast", False, False, False),
+                                              ("Triton unsplit, V asm", False, True, True)):
                 be = TritonAttentionBackend(h, kvh, d)
                 be.CUDA_FP8_DECODE, be.FP8_V_ASM = cuda, asm
+                if unsplit:
+                    be.decode_segments = lambda batch, max_seq_len: 1
                 rerr = read_path_error(h, kvh, d, bs, ql, cl, kv_dtype, be)
                 print(f"  read path only, {label}: rel err {rerr:.2e} {'OK' if rerr < 1e-2 else 'FAIL'}")
     check_gemv()

@@ -180,14 +180,17 @@ def read_path_error(heads, kv_heads, head_dim, block_size, query_lens, context_l
     return float((outs[1] - outs[0]).norm() / outs[0].norm())
 
 
-def test_triton_reads_an_fp8_cache_like_the_reference(monkeypatch):
+@pytest.mark.parametrize("sms", [132, 2])
+def test_triton_reads_an_fp8_cache_like_the_reference(monkeypatch, sms):
     """fp8 keys/values (the kernel computes its dots in fp16, exact for e4m3 values); the interpreter
     rounds fp32 -> fp8 writes its own way, so the GPU's writes are checked in benchmarks/gpu_check.py. A mixed
-    step keeps two launches here: the fp8 decode runs on one warp, the prefill tiles on four."""
+    step's fp8 decodes (one warp in their own launch, the prefill tiles four) share its launch only while
+    their programs leave SMs idle: 2 decodes x 2 KV heads on 132 SMs, not on 2."""
     import pagedserve.model.triton_attention as ta
 
-    monkeypatch.setattr(ta, "_mixed_attention", _Refused())
-    err = read_path_error(4, 2, 16, 16, [1, 1, 9], [40, 75, 12], torch.float8_e4m3fn)
+    monkeypatch.setattr(ta, "_paged_attention" if sms > 4 else "_mixed_attention", _Refused())
+    err = read_path_error(4, 2, 16, 16, [1, 1, 9], [40, 75, 12], torch.float8_e4m3fn,
+                          TritonAttentionBackend(4, 2, 16, num_sms=sms))
     assert err < 2e-3, err
 
 

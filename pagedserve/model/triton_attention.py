@@ -554,11 +554,14 @@ class TritonAttentionBackend:
 
     def _one_launch(self, q, kv_cache, st: TritonState) -> bool:
         """Whether a mixed step's decode and prefill tiles go in one launch: unsplit Triton decodes whose own
-        launch has the prefill tiles' warps (an fp8 decode runs on one warp, and slower on four)."""
+        launch has the prefill tiles' warps, or too few to fill the SMs alone (an fp8 decode runs on one warp:
+        on the prefill's four it is slower, which pays only where the chunk's tiles fill SMs left idle)."""
         if not (self.ONE_LAUNCH and st.decode is not None and st.prefill is not None and st.decode.num_segments == 1):
             return False
         if CudaFp8Decode.takes(q) and self._cuda_kernel(q.dtype, kv_cache, st.decode, st) is not None:
             return False
+        if st.decode.tile_seq.shape[0] * self.num_kv_heads <= self.num_sms:
+            return True
         fp8, on_gpu = kv_cache.element_size() == 1, kv_cache.is_cuda
         return self._shape(st.decode, st, fp8, on_gpu)[1] == self._shape(st.prefill, st, fp8, on_gpu)[1]
 
