@@ -553,17 +553,15 @@ class TritonAttentionBackend:
         return out
 
     def _one_launch(self, q, kv_cache, st: TritonState) -> bool:
-        """Whether a mixed step's decode and prefill tiles go in one launch: unsplit Triton decodes whose own
-        launch has the prefill tiles' warps, or too few to fill the SMs alone (an fp8 decode runs on one warp:
-        on the prefill's four it is slower, which pays only where the chunk's tiles fill SMs left idle)."""
+        """Whether a mixed step's decode and prefill tiles go in one launch: unsplit Triton decodes over a
+        16-bit cache always; over an fp8 cache (one warp a program in a launch of their own, four here) while
+        they are too few to fill the GPU alone, by ``decode_segments``' measure, so the chunk's tiles fill the
+        SMs they leave idle."""
         if not (self.ONE_LAUNCH and st.decode is not None and st.prefill is not None and st.decode.num_segments == 1):
             return False
         if CudaFp8Decode.takes(q) and self._cuda_kernel(q.dtype, kv_cache, st.decode, st) is not None:
             return False
-        if st.decode.tile_seq.shape[0] * self.num_kv_heads <= self.num_sms:
-            return True
-        fp8, on_gpu = kv_cache.element_size() == 1, kv_cache.is_cuda
-        return self._shape(st.decode, st, fp8, on_gpu)[1] == self._shape(st.prefill, st, fp8, on_gpu)[1]
+        return kv_cache.element_size() > 1 or st.decode.tile_seq.shape[0] * self.num_kv_heads < 2 * self.num_sms
 
     def _shape(self, launch: _Launch, st: TritonState, fp8: bool, on_gpu: bool) -> tuple[int, int, int, bool]:
         """(keys a step, warps, pipeline stages, V by asm) of one launch: each kind gets what measured best."""
@@ -594,8 +592,9 @@ class TritonAttentionBackend:
     def _launch_mixed(self, q, kv_cache, out, meta, st: TritonState, scale) -> None:
         dec, pre = st.decode, st.prefill
         fp8 = kv_cache.element_size() == 1
-        dec_tile, _, dec_stages, v_asm = self._shape(dec, st, fp8, kv_cache.is_cuda)
         pre_tile, warps, pre_stages, _ = self._shape(pre, st, fp8, kv_cache.is_cuda)
+        # on the prefill tiles' warps, decode tiles of either cache take the 16-bit decode's shape (an fp8 V by asm)
+        dec_tile, dec_stages, v_asm = self.TILE, self.NUM_STAGES, fp8 and self.FP8_V_ASM and kv_cache.is_cuda
         num_decode = dec.tile_seq.shape[0]
         _mixed_attention[(num_decode + pre.tile_seq.shape[0], self.num_kv_heads)](
             q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, dec.tile_seq, dec.tile_qoff,
