@@ -12,9 +12,9 @@ roofline), hence b * max(T*, T). K: context tokens the decodes' attention reads 
 prompt chunks, query tokens x positions attended (prefill attention grows with both). L: for prompt chunks,
 the positions attended: a short chunk over a long context is a few programs each walking every key in turn,
 so its time follows the context, not the work. p: a step that holds decodes and prompt chunks runs both
-attention paths in every layer (two launches with an fp8 cache, each with its own tail; one launch whose two
-kinds of programs share the SMs with a 16-bit one), which a step of one kind does not; a constant, so a
-16-bit calibration prices a long chunk's overlap with its decodes at the grid's mean. e: what every step
+attention paths in every layer (one launch whose two kinds of programs share the SMs; two, each with its
+own tail, for an fp8 cache's decodes that fill the GPU alone), which a step of one kind does not; a constant,
+so a calibration prices a long chunk's overlap with its decodes at the grid's mean. e: what every step
 pays (sampling, the copy of the tokens back). H: an eager step (a decode batch without a graph, or more
 prompt tokens than the largest prompt graph) cannot end before the host has launched its kernels one by one;
 M: the same for a mixed step, which launches both attention paths in every layer. S: one sequence decodes on
