@@ -375,6 +375,7 @@ class TritonAttentionBackend:
     # launch shapes picked by benchmarks/kernels/decode.py's sweeps (the figures: docs/lab-notes.md)
     TILE = 64  # keys per inner step
     SPLIT_TILE = 128  # ... for decodes split over segments
+    FULL = 2  # programs an SM at which a batch's decodes fill the GPU alone (fewer: split, or share a launch)
     PREFILL_ROWS = 64
     NUM_WARPS = 4
     NUM_STAGES = 3  # software-pipelining depth of the key loop (Triton's default) for decodes
@@ -410,7 +411,7 @@ class TritonAttentionBackend:
     def decode_segments(self, batch: int, max_seq_len: int) -> int:
         """Split long keys over programs when the batch alone cannot fill the GPU."""
         programs = batch * self.num_kv_heads
-        want = -(-2 * self.num_sms // programs)
+        want = -(-self.FULL * self.num_sms // programs)
         # a segment may hold a single tile: at a few sequences, more programs beat longer loops
         useful = -(-max_seq_len // self.SPLIT_TILE)
         return max(1, min(16, triton.next_power_of_2(min(want, useful))))
@@ -434,11 +435,11 @@ class TritonAttentionBackend:
 
     def _zero_counts(self, dev, n: int) -> torch.Tensor:
         """One persistent buffer a device, shared by every state and layer (kernels run one after another).
-        Allocated here, outside any graph capture; splits happen only below 2 programs an SM, so the
+        Allocated here, outside any graph capture; splits happen only below FULL programs an SM, so the
         first size nearly always lasts."""
         counts = self._counts.get(dev)
         if counts is None or counts.numel() < n:
-            counts = self._counts[dev] = torch.zeros(max(n, 2 * self.num_sms), dtype=torch.int32, device=dev)
+            counts = self._counts[dev] = torch.zeros(max(n, self.FULL * self.num_sms), dtype=torch.int32, device=dev)
         return counts
 
     def padded_fields(self, rows: int, tokens: int) -> list[tuple[str, int]]:
@@ -555,13 +556,12 @@ class TritonAttentionBackend:
     def _one_launch(self, q, kv_cache, st: TritonState) -> bool:
         """Whether a mixed step's decode and prefill tiles go in one launch: unsplit Triton decodes over a
         16-bit cache always; over an fp8 cache (one warp a program in a launch of their own, four here) while
-        they are too few to fill the GPU alone, by ``decode_segments``' measure, so the chunk's tiles fill the
-        SMs they leave idle."""
+        they are too few to fill the GPU alone (``FULL``), so the chunk's tiles fill the SMs they leave idle."""
         if not (self.ONE_LAUNCH and st.decode is not None and st.prefill is not None and st.decode.num_segments == 1):
             return False
         if CudaFp8Decode.takes(q) and self._cuda_kernel(q.dtype, kv_cache, st.decode, st) is not None:
             return False
-        return kv_cache.element_size() > 1 or st.decode.tile_seq.shape[0] * self.num_kv_heads < 2 * self.num_sms
+        return kv_cache.element_size() > 1 or st.decode.tile_seq.shape[0] * self.num_kv_heads < self.FULL * self.num_sms
 
     def _shape(self, launch: _Launch, st: TritonState, fp8: bool, on_gpu: bool) -> tuple[int, int, int, bool]:
         """(keys a step, warps, pipeline stages, V by asm) of one launch: each kind gets what measured best."""
