@@ -119,7 +119,7 @@ class _Refused:
     """Stands in for a kernel (``fn[grid](...)``) or a function (``fn(...)``) that must not run."""
 
     def _refuse(self, *args, **kwargs):
-        raise AssertionError("a decode-only step ran a kernel the fused decode replaces")
+        raise AssertionError("a kernel or function this path must not take ran")
 
     __getitem__ = __call__ = _refuse
 
