@@ -39,7 +39,7 @@ from pagedserve.memory import dtype_name
 from pagedserve.errors import ConfigError
 from pagedserve.model.step import SamplingInputs, StepInputs
 from pagedserve.model.runner import graph_sizes
-from pagedserve.sim.cost import Calibration, CostModel, computed_tokens, step_kind, step_features
+from pagedserve.sim.cost import Calibration, CostModel, priced_step
 
 _WARMUPS, _REPEATS = 2, 5
 _HOST_LEVELS = (1, 4, 16, 64, 256)  # requests in flight at which the server's host work is timed
@@ -238,12 +238,12 @@ def calibrate(args, log=print) -> Calibration:
         samples, sizes, budget = [], graph_sizes(config), worker.budget
         for k, shape in enumerate(shapes):
             inp = synthetic_step(shape, config.block_size, worker.budget.num_blocks, config.model.vocab_size, rng)
-            t, ctx, work, keys = step_features(inp)
+            t = len(inp.ids)
+            kind, (computed, ctx, work, keys) = priced_step(inp, sizes)
             seconds, launch = time_step(worker, inp)
-            kind = step_kind(inp, sizes)
-            samples.append({"tokens": t, "computed": computed_tokens(t, kind, inp.decode_only, sizes),
-                            "decode_context": ctx, "prefill_work": work, "prefill_keys": keys,
-                            "seqs": len(shape), "kind": kind, "seconds": seconds, "launch": launch})
+            samples.append({"tokens": t, "computed": computed, "decode_context": ctx, "prefill_work": work,
+                            "prefill_keys": keys, "seqs": len(shape), "kind": kind, "seconds": seconds,
+                            "launch": launch})
             log(f"[{k + 1}/{len(shapes)}] {len(shape)} seqs, {t} tokens, {ctx} decode context: {1e3 * seconds:.3f} ms")
         if config.device.type == "cuda":
             gpu = torch.cuda.get_device_name(config.device)

@@ -84,6 +84,14 @@ def step_kind(inp: StepInputs, sizes: tuple[list[int], list[int]]) -> str:
     return "mixed" if decode.any() and not decode.all() else "eager"
 
 
+def priced_step(inp: StepInputs, sizes: tuple[list[int], list[int]]) -> tuple[str, tuple[int, int, int, int]]:
+    """A step's kind and its (T, K, Q, L) as the cost model takes them, T as the step computes it (``sizes`` as
+    ``model.runner.graph_sizes``): what the simulator prices and the calibration times alike."""
+    tokens, *rest = step_features(inp)
+    kind = step_kind(inp, sizes)
+    return kind, (computed_tokens(tokens, kind, inp.decode_only, sizes), *rest)
+
+
 @dataclass
 class CostModel:
     breakpoint: float        # T*: tokens below which a step's projections cost the weights' read

@@ -9,7 +9,7 @@ from pagedserve.memory import MemoryBudget
 from pagedserve.model.runner import graph_sizes
 from pagedserve.model.step import SamplingInputs, StepInputs
 from pagedserve.model.worker import freeze_startup_heap
-from pagedserve.sim.cost import CostModel, computed_tokens, step_features, step_kind
+from pagedserve.sim.cost import CostModel, priced_step
 
 
 class _Samples:
@@ -42,9 +42,7 @@ class SimulatedWorker:
 
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> _Samples | None:
         # the host's work for a step overlaps the device's (one step in flight): the longer of the two counts
-        tokens, *rest = step_features(inp)
-        kind = step_kind(inp, self.sizes)
-        features = (computed_tokens(tokens, kind, inp.decode_only, self.sizes), *rest)
+        kind, features = priced_step(inp, self.sizes)
         device, host = self.cost.step_seconds(features, kind, len(inp.query_lens))
         seconds = max(device, host)
         self.device_wait += seconds - host
