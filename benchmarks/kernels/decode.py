@@ -127,11 +127,12 @@ def cuda_vs_triton(batch: int, context_lens: list[int], heads=32, kv_heads=8) ->
         print(f"  {name:<30}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
-def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, length=1024) -> None:
-    """Fresh causal prefills (a 16k-token chunk of 1024-token prompts) over the prefill tile shape."""
-    cache, q, meta = paged_inputs(heads, kv_heads, [length] * prompts, [0] * prompts, kv_dtype)
+def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, length=1024, context=0) -> None:
+    """Causal prefills of ``prompts`` chunks of ``length`` tokens, each after ``context`` cached tokens (16
+    fresh 1,024-token prompts; a 32k prompt's last 8k chunk), over the prefill tile shape."""
+    cache, q, meta = paged_inputs(heads, kv_heads, [length] * prompts, [context] * prompts, kv_dtype)
     sms = sm_count(cache.device)
-    flops = 4 * prompts * heads * D * length * (length + 1) / 2  # causal QK^T and PV
+    flops = 4 * prompts * heads * D * length * (context + (length + 1) / 2)  # causal QK^T and PV
     results = []
     for rows, tile, warps, stages in [(r, t, w, s) for r in (64, 128) for t in (64, 128) for w in (4, 8) for s in (2, 3)]:
         be = TritonAttentionBackend(heads, kv_heads, D, sms)
@@ -140,9 +141,12 @@ def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, len
         be.prepare(meta, BS)
         ms = kernel_ms(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), 100)
         results.append((ms, rows, tile, warps, stages))
+    cls = TritonAttentionBackend
+    shipped = next(r for r in results if r[1:] == (cls.PREFILL_ROWS, cls.TILE, cls.NUM_WARPS, cls.PREFILL_STAGES))
     results.sort()
-    print(f"\n== prefill attention, {prompts} x {length} tokens, {heads}/{kv_heads} heads, K/V {kv_dtype}; fastest first")
-    for ms, rows, tile, warps, stages in results[:4] + results[-1:]:
+    print(f"\n== prefill attention, {prompts} x {length} tokens after {context}, {heads}/{kv_heads} heads, "
+          f"K/V {kv_dtype}; fastest first, then the engine's shape")
+    for ms, rows, tile, warps, stages in results[:4] + results[-1:] + [shipped]:
         print(f"  rows {rows:3d} TILE {tile:3d} warps {warps} stages {stages}: {ms * 1000:8.1f} us, "
               f"{flops / ms / 1e9:6.1f} TFLOP/s")
 
@@ -199,8 +203,9 @@ if __name__ == "__main__":
             mixed_launches(kv)
         sys.exit(0)
     if "--prefill" in sys.argv:
-        prefill_alone(torch.bfloat16)
-        prefill_alone(torch.float8_e4m3fn)
+        for kv in (torch.bfloat16, torch.float8_e4m3fn):
+            prefill_alone(kv)
+            prefill_alone(kv, prompts=1, length=8192, context=24576)
         sys.exit(0)
     if "--segments" in sys.argv:  # fp8 decode over forced split factors: the last partial wave of programs
         for kv in (torch.float8_e4m3fn, torch.bfloat16):

@@ -75,35 +75,67 @@ def _attend_segment(q, K, table, kv_end, qpos, qk_scale, seg, stride_kvkv, strid
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    d = tl.arange(0, HEAD_DIM)
-    V = K + stride_kvkv
-    for j in tl.range(first, last, num_stages=STAGES):
-        kpos = j * TILE + tl.arange(0, TILE)
-        kmask = kpos < kv_end
-        blk = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-        off = blk * stride_kvb + (kpos % PAGE) * stride_kvs
-        k = tl.load(K + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
-        # V is read here, not after the softmax that needs only K, so that both tiles are in flight at once
-        v = tl.load(V + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        if V_CVT_ASM:
-            v = _e4m3_to_f16(v)
-        else:
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k))
-        if not FP16_DOTS:
-            s = s * qk_scale
-        if BLOCK_Q == 1:  # a decode: every key before the end is causal
-            s = tl.where(kmask[None, :], s, float("-inf"))
-        else:
-            s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        s_sum = s_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        m = m_new
+    if BLOCK_Q == 1:  # a decode: every key before the end is causal
+        for j in tl.range(first, last, num_stages=STAGES):
+            m, s_sum, acc = _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_kvkv,
+                                         stride_kvb, stride_kvs, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM, True, False)
+    else:
+        # prompt rows: the tiles before the first row's position are seen whole by every row, so only the
+        # tiles on the diagonal pay for the causal mask (the softmax's share of a tile, not its loads)
+        whole = tl.minimum(last, tl.minimum(kv_end, tl.min(qpos, 0) + 1) // TILE)
+        for j in tl.range(first, whole, num_stages=STAGES):
+            m, s_sum, acc = _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_kvkv,
+                                         stride_kvb, stride_kvs, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM, False,
+                                         False)
+        for j in tl.range(tl.maximum(first, whole), last, num_stages=STAGES):
+            m, s_sum, acc = _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_kvkv,
+                                         stride_kvb, stride_kvs, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM, True, True)
     return m, s_sum, acc
+
+
+@triton.jit
+def _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_kvkv, stride_kvb, stride_kvs,
+                 HEAD_DIM: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr, FP16_DOTS: tl.constexpr,
+                 V_CVT_ASM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """One step of the online softmax over key tile ``j``. MASKED: keys past ``kv_end`` (and with CAUSAL, past
+    each row's ``qpos``) are left out; unmasked, every key of the tile is before every row."""
+    d = tl.arange(0, HEAD_DIM)
+    kpos = j * TILE + tl.arange(0, TILE)
+    kmask = kpos < kv_end
+    if MASKED:
+        blk = tl.load(table + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table + kpos // PAGE).to(tl.int64)
+    off = blk * stride_kvb + (kpos % PAGE) * stride_kvs
+    # V is read here, not after the softmax that needs only K, so that both tiles are in flight at once
+    if MASKED:
+        k = tl.load(K + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(K + stride_kvkv + off[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(K + off[:, None] + d[None, :]).to(q.dtype)
+        v = tl.load(K + stride_kvkv + off[:, None] + d[None, :])
+    if V_CVT_ASM:
+        v = _e4m3_to_f16(v)
+    else:
+        v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k))
+    if not FP16_DOTS:
+        s = s * qk_scale
+    if MASKED:
+        if CAUSAL:
+            s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
+        else:
+            s = tl.where(kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    s_sum = s_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, s_sum, acc
 
 
 @triton.jit
