@@ -502,12 +502,14 @@ class TritonAttentionBackend:
         return {"decode_tiles": dec, "prefill_tiles": pre[0], "prefill_offsets": pre[1]}
 
     def _tiles(self, qlens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The decoding requests, and the request and first query token of every prefill tile ([2, n] int32)."""
+        """The decoding requests, and the request and first query token of every prefill tile ([2, n] int32),
+        each request's last tiles first: a tile's keys grow with its offset, and the GPU starts programs in
+        order, so the longest start first and the launch does not end on a wave of them."""
         prefilling = np.nonzero(qlens > 1)[0]
         counts = -(-qlens[prefilling] // self.prefill_block_q)
         first = np.repeat(np.cumsum(counts) - counts, counts)  # each request's first tile, per tile
         tiles = np.stack([np.repeat(prefilling, counts), (np.arange(len(first)) - first) * self.prefill_block_q])
-        return np.nonzero(qlens == 1)[0], tiles.astype(np.int32)
+        return np.nonzero(qlens == 1)[0], np.ascontiguousarray(tiles[:, ::-1], dtype=np.int32)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         decode_seqs, prefill_tiles = self._tiles(meta.query_lens_cpu)
