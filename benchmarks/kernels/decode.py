@@ -136,13 +136,14 @@ def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, len
     results = []
     for rows, tile, warps, stages in [(r, t, w, s) for r in (64, 128) for t in (64, 128) for w in (4, 8) for s in (2, 3)]:
         be = TritonAttentionBackend(heads, kv_heads, D, sms)
-        be.PREFILL_ROWS, be.TILE, be.NUM_WARPS, be.PREFILL_STAGES = rows, tile, warps, stages
+        be.PREFILL_ROWS, be.PREFILL_TILE, be.NUM_WARPS, be.PREFILL_STAGES = rows, tile, warps, stages
         be.prefill_block_q = rows // be.G
         be.prepare(meta, BS)
         ms = kernel_ms(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), 100)
         results.append((ms, rows, tile, warps, stages))
     cls = TritonAttentionBackend
-    shipped = next(r for r in results if r[1:] == (cls.PREFILL_ROWS, cls.TILE, cls.NUM_WARPS, cls.PREFILL_STAGES))
+    engine = (cls.PREFILL_ROWS, cls.PREFILL_TILE, cls.NUM_WARPS, cls.PREFILL_STAGES)
+    shipped = next(r for r in results if r[1:] == engine)
     results.sort()
     print(f"\n== prefill attention, {prompts} x {length} tokens after {context}, {heads}/{kv_heads} heads, "
           f"K/V {kv_dtype}; fastest first, then the engine's shape")

@@ -403,10 +403,11 @@ class TritonState:
 class TritonAttentionBackend:
     name = "triton"
     # launch shapes picked by benchmarks/kernels/decode.py's sweeps (the figures: docs/lab-notes.md)
-    TILE = 64  # keys per inner step
+    TILE = 64  # a decode's keys an inner step
     SPLIT_TILE = 128  # ... for decodes split over segments
     FULL = 2  # programs an SM at which a batch's decodes fill the GPU alone (fewer: split, or share a launch)
-    PREFILL_ROWS = 64
+    PREFILL_ROWS = 64  # query rows (tokens x the KV head's query heads) of a prompt tile
+    PREFILL_TILE = 64  # ... and its keys an inner step
     NUM_WARPS = 4
     NUM_STAGES = 3  # software-pipelining depth of the key loop (Triton's default) for decodes
     PREFILL_STAGES = 2  # fewer than decodes: a prefill tile's rows already keep the loads busy
@@ -598,7 +599,7 @@ class TritonAttentionBackend:
     def _shape(self, launch: _Launch, st: TritonState, fp8: bool, on_gpu: bool) -> tuple[int, int, int, bool]:
         """(keys a step, warps, pipeline stages, V by asm) of one launch: each kind gets what measured best."""
         if launch is st.prefill:
-            return self.TILE, self.NUM_WARPS, self.PREFILL_STAGES, False
+            return self.PREFILL_TILE, self.NUM_WARPS, self.PREFILL_STAGES, False
         if launch.num_segments > 1:
             return self.SPLIT_TILE, self.FP8_SPLIT_WARPS if fp8 else self.NUM_WARPS, self.NUM_STAGES, False
         if fp8:
