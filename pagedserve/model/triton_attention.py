@@ -75,19 +75,21 @@ def _attend_segment(q, K, table, kv_end, qpos, qk_scale, seg, stride_kvkv, strid
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # the tiles before the end (a decode) or before the first row's position (prompt rows) are seen whole by
-    # every row: only the last tile, or a chunk's diagonal, pays for the mask (the softmax's share of a tile)
-    if BLOCK_Q == 1:
-        whole = kv_end // TILE
+    if BLOCK_Q == 1:  # a decode: every key before the end is causal
+        for j in tl.range(first, last, num_stages=STAGES):
+            m, s_sum, acc = _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_kvkv,
+                                         stride_kvb, stride_kvs, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM, True, False)
     else:
-        whole = tl.minimum(kv_end, tl.min(qpos, 0) + 1) // TILE
-    split = tl.maximum(first, tl.minimum(last, whole))
-    for j in tl.range(first, split, num_stages=STAGES):
-        m, s_sum, acc = _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_kvkv, stride_kvb,
-                                     stride_kvs, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM, False, False)
-    for j in tl.range(split, last, num_stages=STAGES):
-        m, s_sum, acc = _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_kvkv, stride_kvb,
-                                     stride_kvs, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM, True, BLOCK_Q > 1)
+        # prompt rows: the tiles before the first row's position are seen whole by every row, so only the
+        # tiles on the diagonal pay for the causal mask (the softmax's share of a tile, not its loads)
+        whole = tl.minimum(last, tl.minimum(kv_end, tl.min(qpos, 0) + 1) // TILE)
+        for j in tl.range(first, whole, num_stages=STAGES):
+            m, s_sum, acc = _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_kvkv,
+                                         stride_kvb, stride_kvs, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM, False,
+                                         False)
+        for j in tl.range(tl.maximum(first, whole), last, num_stages=STAGES):
+            m, s_sum, acc = _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_kvkv,
+                                         stride_kvb, stride_kvs, HEAD_DIM, TILE, PAGE, FP16_DOTS, V_CVT_ASM, True, True)
     return m, s_sum, acc
 
 
