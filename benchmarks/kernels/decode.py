@@ -1,10 +1,11 @@
 """Where decode time goes: a kernel-level profile of one eager decode step, and the paged-attention
 kernel alone at a few tile shapes with its achieved bandwidth.
 
-python -m benchmarks.kernels.decode [--kernels-only | --fp8 | --cuda | --fp8-step | --segments | --prefill | --mixed
-                                     | --ncu]
+python -m benchmarks.kernels.decode [--kernels-only | --fp8 | --cuda | --fp8-step | --segments | --prefill
+                                     | --prefill-shapes | --mixed | --ncu]
 
 --mixed: a mixed step's attention, decode and prefill tiles in one launch against two.
+--prefill: prompt tiles alone over tile shapes; --prefill-shapes: the engine's tile shape over serving's chunks.
 
 --cuda: the fp8 decode alone, the CUDA kernel (2, 4, 8 warps a CTA; 4 without its L2 prefetch) against
 the Triton kernel.
@@ -152,6 +153,23 @@ def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, len
               f"{flops / ms / 1e9:6.1f} TFLOP/s")
 
 
+# (prompts, chunk tokens, cached tokens before each chunk): fresh prompts, a 32k prompt's 8k chunks, the online
+# test's chunk beside decodes, chunks after a long context
+PREFILL_SHAPES = [(16, 1024, 0), (1, 8192, 0), (1, 8192, 8192), (1, 8192, 24576), (1, 240, 768), (4, 2048, 6144)]
+
+
+def prefill_shapes(kv_dtype=torch.bfloat16, heads=32, kv_heads=8) -> None:
+    """The engine's prefill attention, at its own tile shape, over the chunks of PREFILL_SHAPES."""
+    print(f"\n== prefill attention at the engine's tile shape, {heads}/{kv_heads} heads, K/V {kv_dtype}")
+    for prompts, length, context in PREFILL_SHAPES:
+        cache, q, meta = paged_inputs(heads, kv_heads, [length] * prompts, [context] * prompts, kv_dtype)
+        be = TritonAttentionBackend(heads, kv_heads, D, sm_count(cache.device))
+        be.prepare(meta, BS)
+        ms = kernel_ms(lambda: be.attend(q, cache, meta, D ** -0.5), 200)
+        flops = 4 * prompts * heads * D * length * (context + (length + 1) / 2)
+        print(f"  {prompts:2d} x {length:5d} after {context:5d}: {ms * 1000:9.1f} us, {flops / ms / 1e9:6.1f} TFLOP/s")
+
+
 # (name, decodes, their contexts from [lo, hi), prompt chunk tokens, the chunk's context)
 MIXED_SHAPES = [("online test: 16 decodes + a 240-token chunk", 16, (1024, 1280), 240, 768),
                 ("64 decodes + a 192-token chunk", 64, (1024, 1536), 192, 512),
@@ -202,6 +220,10 @@ if __name__ == "__main__":
     if "--mixed" in sys.argv:
         for kv in (torch.bfloat16, torch.float8_e4m3fn):
             mixed_launches(kv)
+        sys.exit(0)
+    if "--prefill-shapes" in sys.argv:
+        for kv in (torch.bfloat16, torch.float8_e4m3fn):
+            prefill_shapes(kv)
         sys.exit(0)
     if "--prefill" in sys.argv:
         for kv in (torch.bfloat16, torch.float8_e4m3fn):
