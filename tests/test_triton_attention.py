@@ -100,6 +100,15 @@ def test_triton_matches_reference_on_mixed_batches(model_type, block_size, heads
     assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
 
 
+def test_each_requests_longest_prompt_tiles_start_first():
+    """A prompt tile's keys grow with its offset: the tiles go to the launch last offset first, so the longest
+    do not make up its last wave."""
+    backend = TritonAttentionBackend(8, 2, 16, 132)  # 4 query heads a KV head: 16-token tiles
+    decodes, tiles = backend._tiles(np.array([1, 40, 1, 17]))
+    assert decodes.tolist() == [0, 2]
+    assert tiles.tolist() == [[3, 3, 1, 1, 1], [16, 0, 32, 16, 0]] and tiles.flags["C_CONTIGUOUS"]
+
+
 @pytest.mark.parametrize("one_launch", [True, False])
 def test_a_mixed_steps_tiles_run_in_one_launch_or_two_alike(monkeypatch, one_launch):
     """Unsplit decodes and prefill tiles (chunks after context, a fresh prompt) in one kernel launch, or in
