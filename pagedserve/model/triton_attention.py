@@ -126,10 +126,10 @@ def _attend_keys(q, K, table, j, kv_end, qpos, qk_scale, m, s_sum, acc, stride_k
             s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
         else:
             s = tl.where(kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    if MASKED:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
     else:
-        m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = m_new
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
