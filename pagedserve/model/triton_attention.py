@@ -629,7 +629,8 @@ class TritonAttentionBackend:
         fp8 = kv_cache.element_size() == 1
         pre_tile, warps, pre_stages, _ = self._shape(pre, st, fp8, kv_cache.is_cuda)
         # on the prefill tiles' warps, decode tiles of either cache take the 16-bit decode's shape (an fp8 V by asm)
-        dec_tile, dec_stages, v_asm = self.TILE, self.NUM_STAGES, fp8 and self.FP8_V_ASM and kv_cache.is_cuda
+        dec_tile, _, dec_stages, _ = self._shape(dec, st, False, kv_cache.is_cuda)
+        v_asm = fp8 and self.FP8_V_ASM and kv_cache.is_cuda
         num_decode = dec.tile_seq.shape[0]
         _mixed_attention[(num_decode + pre.tile_seq.shape[0], self.num_kv_heads)](
             q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, dec.tile_seq, dec.tile_qoff,
