@@ -128,12 +128,17 @@ def cuda_vs_triton(batch: int, context_lens: list[int], heads=32, kv_heads=8) ->
         print(f"  {name:<30}: {ms * 1000:8.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
 
 
+def prefill_flops(prompts: int, heads: int, length: int, context: int) -> float:
+    """Causal QK^T and PV of ``prompts`` chunks of ``length`` tokens, each after ``context`` cached tokens."""
+    return 4 * prompts * heads * D * length * (context + (length + 1) / 2)
+
+
 def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, length=1024, context=0) -> None:
     """Causal prefills of ``prompts`` chunks of ``length`` tokens, each after ``context`` cached tokens (16
     fresh 1,024-token prompts; a 32k prompt's last 8k chunk), over the prefill tile shape."""
     cache, q, meta = paged_inputs(heads, kv_heads, [length] * prompts, [context] * prompts, kv_dtype)
     sms = sm_count(cache.device)
-    flops = 4 * prompts * heads * D * length * (context + (length + 1) / 2)  # causal QK^T and PV
+    flops = prefill_flops(prompts, heads, length, context)
     results = []
     for rows, tile, warps, stages in [(r, t, w, s) for r in (64, 128) for t in (64, 128) for w in (4, 8) for s in (2, 3)]:
         be = TritonAttentionBackend(heads, kv_heads, D, sms)
@@ -166,7 +171,7 @@ def prefill_shapes(kv_dtype=torch.bfloat16, heads=32, kv_heads=8) -> None:
         be = TritonAttentionBackend(heads, kv_heads, D, sm_count(cache.device))
         be.prepare(meta, BS)
         ms = kernel_ms(lambda: be.attend(q, cache, meta, D ** -0.5), 200)
-        flops = 4 * prompts * heads * D * length * (context + (length + 1) / 2)
+        flops = prefill_flops(prompts, heads, length, context)
         print(f"  {prompts:2d} x {length:5d} after {context:5d}: {ms * 1000:9.1f} us, {flops / ms / 1e9:6.1f} TFLOP/s")
 
 
