@@ -594,7 +594,7 @@ class TritonAttentionBackend:
         they are too few to fill the GPU alone (``FULL``), so the chunk's tiles fill the SMs they leave idle."""
         if not (self.ONE_LAUNCH and st.decode is not None and st.prefill is not None and st.decode.num_segments == 1):
             return False
-        if CudaFp8Decode.takes(q) and self._cuda_kernel(q.dtype, kv_cache, st.decode, st) is not None:
+        if self._cuda_for(q, kv_cache, st.decode, st) is not None:
             return False
         return kv_cache.element_size() > 1 or st.decode.tile_seq.shape[0] * self.num_kv_heads < self.FULL * self.num_sms
 
@@ -609,7 +609,8 @@ class TritonAttentionBackend:
         return self.TILE, self.NUM_WARPS, self.NUM_STAGES, False
 
     def _cuda_kernel(self, q_dtype, kv_cache, launch: _Launch, st: TritonState) -> CudaFp8Decode | None:
-        """The CUDA fp8 decode for this launch, if it is one the kernel covers (given aligned queries)."""
+        """The CUDA fp8 decode for this launch, if it is one the kernel covers (given aligned queries: a decode-only
+        step asks before its queries exist)."""
         if not (self.CUDA_FP8_DECODE and launch is st.decode and launch.num_segments == 1 and not st.padded
                 and kv_cache.is_cuda and kv_cache.dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16):
             return None
@@ -617,6 +618,10 @@ class TritonAttentionBackend:
         if page not in self._cuda_decode:
             self._cuda_decode[page] = CudaFp8Decode.build(self.G, self.num_kv_heads, self.head_dim, page, kv_cache.device)
         return self._cuda_decode[page]
+
+    def _cuda_for(self, q, kv_cache, launch: _Launch, st: TritonState) -> CudaFp8Decode | None:
+        """The CUDA fp8 decode for this launch over these queries (its loads need them aligned)."""
+        return self._cuda_kernel(q.dtype, kv_cache, launch, st) if CudaFp8Decode.takes(q) else None
 
     @staticmethod
     def _strides(q, kv_cache, meta, out) -> tuple[int, ...]:
@@ -642,7 +647,7 @@ class TritonAttentionBackend:
         )
 
     def _launch(self, q, kv_cache, out, meta, st, launch: _Launch, scale):
-        cuda = self._cuda_kernel(q.dtype, kv_cache, launch, st) if CudaFp8Decode.takes(q) else None
+        cuda = self._cuda_for(q, kv_cache, launch, st)
         if cuda is not None:
             cuda(q, kv_cache, out, meta, launch.tile_seq, scale)
             return
