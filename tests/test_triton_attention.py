@@ -67,7 +67,7 @@ def attention_pair(model_type, heads, kv_heads, head_dim, dtype, sms=132):
 
 
 def compare(model_type, heads, kv_heads, head_dim, block_size, query_lens, context_lens, dtype=torch.float32,
-            kv_dtype=None, sms=132, segmented=False):
+            kv_dtype=None, sms=132, segmented=False, wide=False):
     rng = np.random.default_rng(block_size + heads)
     torch.manual_seed(block_size)
     num_blocks = sum(-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens)) + 4
@@ -79,6 +79,8 @@ def compare(model_type, heads, kv_heads, head_dim, block_size, query_lens, conte
     tri.backend.prepare(meta_tri, block_size)
     if segmented:
         assert meta_tri.backend_state.decode.num_segments > 1  # the split-KV path is exercised
+    if wide:
+        assert meta_tri.backend_state.prefill.block_q == tri.backend.wide_block_q > tri.backend.prefill_block_q
     x = torch.randn((sum(query_lens), heads * head_dim), device=DEV, dtype=dtype)
     ref_cache, tri_cache = cache.clone(), cache.clone()
     with torch.no_grad():
@@ -104,9 +106,18 @@ def test_each_requests_longest_prompt_tiles_start_first():
     """A prompt tile's keys grow with its offset: the tiles go to the launch last offset first, so the longest
     do not make up its last wave."""
     backend = TritonAttentionBackend(8, 2, 16, 132)  # 4 query heads a KV head: 16-token tiles
-    decodes, tiles = backend._tiles(np.array([1, 40, 1, 17]))
+    decodes, tiles = backend._tiles(np.array([1, 40, 1, 17]), backend.prefill_block_q)
     assert decodes.tolist() == [0, 2]
     assert tiles.tolist() == [[3, 3, 1, 1, 1], [16, 0, 32, 16, 0]] and tiles.flags["C_CONTIGUOUS"]
+
+
+def test_prompt_tiles_widen_where_they_fill_the_gpu_even_so():
+    """Few SMs to fill: the step's prompt chunks run wide tiles (twice the tokens a tile), still exact."""
+    err, cache_err = compare("qwen3", 8, 2, 16, 16, [1, 37, 1, 70], [90, 100, 33, 0], sms=2, wide=True)
+    assert err < 1e-4 and cache_err < 1e-5, (err, cache_err)
+    backend = TritonAttentionBackend(8, 2, 16, 132)
+    assert backend._block_q(np.array([1, 240, 1])) == backend.prefill_block_q  # 8 wide tiles x 2 heads < 264
+    assert backend._block_q(np.array([1, 8192])) == backend.wide_block_q
 
 
 @pytest.mark.parametrize("one_launch", [True, False])
@@ -309,7 +320,8 @@ def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
     assert top == 16  # 2 KV heads, 2048 keys: sixteen segments of one 128-key tile for one long decode
     decode_splits = {segs for block_q, segs, _ in launched if block_q == 1}
     assert set(mixed) == {1} and decode_splits == {2, 4, 8, 16} and set(fused) == {1, 2, 4, 8, 16}
-    assert {(backend.prefill_block_q, 1, False), (backend.prefill_block_q, 1, True)} <= set(launched)
+    for block_q in (backend.prefill_block_q, backend.wide_block_q):  # narrow and wide prompt tiles
+        assert {(block_q, 1, False), (block_q, 1, True)} <= set(launched)
 
 
 def test_cuda_fp8_decode_serves_only_the_launches_it_covers():

@@ -143,7 +143,7 @@ def prefill_alone(kv_dtype=torch.bfloat16, heads=32, kv_heads=8, prompts=16, len
     for rows, tile, warps, stages in [(r, t, w, s) for r in (64, 128) for t in (64, 128) for w in (4, 8) for s in (2, 3)]:
         be = TritonAttentionBackend(heads, kv_heads, D, sms)
         be.PREFILL_ROWS, be.PREFILL_TILE, be.NUM_WARPS, be.PREFILL_STAGES = rows, tile, warps, stages
-        be.prefill_block_q = rows // be.G
+        be.prefill_block_q = be.wide_block_q = rows // be.G
         be.prepare(meta, BS)
         ms = kernel_ms(lambda be=be, meta=meta: be.attend(q, cache, meta, D ** -0.5), 100)
         results.append((ms, rows, tile, warps, stages))

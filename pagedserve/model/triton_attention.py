@@ -408,7 +408,8 @@ class TritonAttentionBackend:
     TILE = 64  # a decode's keys an inner step
     SPLIT_TILE = 128  # ... for decodes split over segments
     FULL = 2  # programs an SM at which a batch's decodes fill the GPU alone (fewer: split, or share a launch)
-    PREFILL_ROWS = 64  # query rows (tokens x the KV head's query heads) of a prompt tile
+    PREFILL_ROWS = 64  # query rows (tokens x the KV head's query heads) of a prompt tile ...
+    WIDE_PREFILL_ROWS = 128  # ... and of one in an eager step whose prompt tiles fill the GPU even at that size
     PREFILL_TILE = 64  # ... and its keys an inner step
     NUM_WARPS = 4
     NUM_STAGES = 3  # software-pipelining depth of the key loop (Triton's default) for decodes
@@ -432,6 +433,7 @@ class TritonAttentionBackend:
         self.decode_block_m = max(16, triton.next_power_of_2(self.G))
         self.g_pow2 = triton.next_power_of_2(self.G)  # the merge's head block
         self.prefill_block_q = max(1, self.PREFILL_ROWS // self.G)
+        self.wide_block_q = max(1, self.WIDE_PREFILL_ROWS // self.G)
         self._cuda_decode: dict[int, CudaFp8Decode | None] = {}  # by block size, built at the first launch
         self._counts: dict[torch.device, torch.Tensor] = {}  # zeros between kernels: each merge resets its own
 
@@ -449,15 +451,16 @@ class TritonAttentionBackend:
         useful = -(-max_seq_len // self.SPLIT_TILE)
         return max(1, min(16, triton.next_power_of_2(min(want, useful))))
 
-    def make_state(self, dev, decode_seqs: np.ndarray, prefill_tiles: np.ndarray, num_segments: int) -> TritonState:
-        """Launches for the decoding requests and the prefill tiles ([2, n]: request, first query token)."""
+    def make_state(self, dev, decode_seqs: np.ndarray, prefill_tiles: np.ndarray, num_segments: int,
+                   block_q: int | None = None) -> TritonState:
+        """Launches for the decoding requests and the prefill tiles ([2, n]: request, first query token) of
+        ``block_q`` tokens (the narrow tiles' by default)."""
         to = lambda a: to_device(np.asarray(a, dtype=np.int32), dev)  # noqa: E731
         decode = prefill = None
         if len(decode_seqs):
             decode = _Launch(to(decode_seqs), to(np.zeros(len(decode_seqs))), 1, self.decode_block_m, num_segments)
         if prefill_tiles.shape[1]:
-            prefill = _Launch(to(prefill_tiles[0]), to(prefill_tiles[1]), self.prefill_block_q,
-                              max(16, triton.next_power_of_2(self.prefill_block_q * self.G)), 1)
+            prefill = self._prefill_launch(to(prefill_tiles[0]), to(prefill_tiles[1]), block_q or self.prefill_block_q)
         part_acc = part_ml = counts = None
         if decode is not None and num_segments > 1:
             n = len(decode_seqs)
@@ -489,14 +492,17 @@ class TritonAttentionBackend:
         prompt tokens runs its attention in one launch and no merge."""
         decode_tiles = arrays["decode_tiles"]
         decode = _Launch(decode_tiles, torch.zeros_like(decode_tiles), 1, self.decode_block_m, 1)
-        prefill = _Launch(arrays["prefill_tiles"], arrays["prefill_offsets"], self.prefill_block_q,
-                          max(16, triton.next_power_of_2(self.prefill_block_q * self.G)), 1)
+        prefill = self._prefill_launch(arrays["prefill_tiles"], arrays["prefill_offsets"], self.prefill_block_q)
         return TritonState(decode, prefill, None, None, None, padded=True)
+
+    def _prefill_launch(self, tiles: torch.Tensor, offsets: torch.Tensor, block_q: int) -> _Launch:
+        """Prompt tiles of ``block_q`` tokens, each the rows of its tokens' query heads for one KV head."""
+        return _Launch(tiles, offsets, block_q, max(16, triton.next_power_of_2(block_q * self.G)), 1)
 
     def fill_padded(self, st: TritonState, query_lens: np.ndarray) -> dict[str, np.ndarray]:
         """The values of ``padded_fields`` for a padded state and a step's query lengths."""
         empty = len(st.decode.tile_seq)
-        decode_seqs, prefill_tiles = self._tiles(query_lens)
+        decode_seqs, prefill_tiles = self._tiles(query_lens, self.prefill_block_q)
         dec = np.full(empty, empty, dtype=np.int32)
         dec[:len(decode_seqs)] = decode_seqs
         pre = np.zeros((2, len(st.prefill.tile_seq)), dtype=np.int32)
@@ -504,30 +510,39 @@ class TritonAttentionBackend:
         pre[:, :prefill_tiles.shape[1]] = prefill_tiles
         return {"decode_tiles": dec, "prefill_tiles": pre[0], "prefill_offsets": pre[1]}
 
-    def _tiles(self, qlens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The decoding requests, and the request and first query token of every prefill tile ([2, n] int32),
-        each request's last tiles first: a tile's keys grow with its offset, and the GPU starts programs in
-        order, so the longest start first and the launch does not end on a wave of them."""
+    def _tiles(self, qlens: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
+        """The decoding requests, and the request and first query token of every prefill tile of ``block_q``
+        tokens ([2, n] int32), each request's last tiles first: a tile's keys grow with its offset, and the
+        GPU starts programs in order, so the longest start first and the launch does not end on a wave of them."""
         prefilling = np.nonzero(qlens > 1)[0]
-        counts = -(-qlens[prefilling] // self.prefill_block_q)
+        counts = -(-qlens[prefilling] // block_q)
         first = np.repeat(np.cumsum(counts) - counts, counts)  # each request's first tile, per tile
-        tiles = np.stack([np.repeat(prefilling, counts), (np.arange(len(first)) - first) * self.prefill_block_q])
+        tiles = np.stack([np.repeat(prefilling, counts), (np.arange(len(first)) - first) * block_q])
         return np.nonzero(qlens == 1)[0], np.ascontiguousarray(tiles[:, ::-1], dtype=np.int32)
 
+    def _block_q(self, qlens: np.ndarray) -> int:
+        """Wide prompt tiles where even they fill the GPU (``FULL`` programs an SM: long chunks), which then run
+        faster; narrow ones otherwise, so that a short chunk still spreads over the SMs."""
+        wide = int((-(-qlens[qlens > 1] // self.wide_block_q)).sum())
+        return self.wide_block_q if wide * self.num_kv_heads >= self.FULL * self.num_sms else self.prefill_block_q
+
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        decode_seqs, prefill_tiles = self._tiles(meta.query_lens_cpu)
+        block_q = self._block_q(meta.query_lens_cpu)
+        decode_seqs, prefill_tiles = self._tiles(meta.query_lens_cpu, block_q)
         segs = self.decode_segments(len(decode_seqs), meta.max_seq_len) if len(decode_seqs) else 1
-        meta.backend_state = self.make_state(meta.seq_lens.device, decode_seqs, prefill_tiles, segs)
+        meta.backend_state = self.make_state(meta.seq_lens.device, decode_seqs, prefill_tiles, segs, block_q)
 
     def variants(self, meta: AttentionMetadata, max_seq_len: int) -> Iterator[None]:
         """Decode tiles at every split factor ``decode_segments`` can return (powers of two up to that of
-        one long decode), next to the step's prefill tiles; once for a step without decodes."""
-        decode_seqs, prefill_tiles = self._tiles(meta.query_lens_cpu)
-        segs, top = 1, self.decode_segments(1, max_seq_len) if len(decode_seqs) else 1
-        while segs <= top:
-            meta.backend_state = self.make_state(meta.seq_lens.device, decode_seqs, prefill_tiles, segs)
-            yield
-            segs *= 2
+        one long decode), next to the step's prefill tiles at either width; once for a step without decodes."""
+        qlens = meta.query_lens_cpu
+        for block_q in (self.prefill_block_q, self.wide_block_q) if (qlens > 1).any() else (self.prefill_block_q,):
+            decode_seqs, prefill_tiles = self._tiles(qlens, block_q)
+            segs, top = 1, self.decode_segments(1, max_seq_len) if len(decode_seqs) else 1
+            while segs <= top:
+                meta.backend_state = self.make_state(meta.seq_lens.device, decode_seqs, prefill_tiles, segs, block_q)
+                yield
+                segs *= 2
 
     def forward(self, qkv, positions, layer, kv_cache, meta):
         """A decode-only step: one fused kernel (unless the CUDA fp8 decode takes it). Otherwise one fused
