@@ -58,6 +58,7 @@ def main() -> None:
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     agreement("bf16, one request at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params), params)
+    agreement("bf16, four requests at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params, 4), params)
     # rows with presence/frequency penalties, a repetition penalty, a logit bias (the newest token the
     # penalties count is taken on the device from the step in flight)
     penalized = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
@@ -152,6 +153,23 @@ def check_gemv() -> None:
         ok = err < 1e-2 and torch.equal(res, want_res)
         print(f"CUDA GEMV with RMSNorm{' + residual' if has_res else ''} [{n} x {k}]: rel err {err:.2e}, "
               f"residual {'equal' if torch.equal(res, want_res) else 'DIFFERS'} {'OK' if ok else 'FAIL'}")
+    for m in (r for r in CudaGemv.ROWS if r > 1):  # decode steps of a few sequences: every row against its own
+        for n, k, kind in ((6144, 4096, "norm"), (4096, 4096, ""), (4096, 12288, "silu-mul"), (151936, 4096, ""),
+                           (2048, 1024, "norm")):
+            w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
+            x = torch.randn((m, 2 * k if kind == "silu-mul" else k), device=dev, dtype=torch.bfloat16)
+            same = True
+            if kind == "norm":
+                r, nw = torch.randn_like(x), (torch.rand(k, device=dev) + 0.5).to(torch.bfloat16)
+                normed, want_res = fused.rms_norm(x, nw, 1e-6, r)
+                y, res = gemv.norm_project(x, r, nw, 1e-6, w)
+                ref, same = F.linear(normed.float(), w.float()), torch.equal(res, want_res)
+            else:
+                y = gemv(x, w, silu_mul=kind == "silu-mul")
+                ref = F.linear((fused.silu_mul(x) if kind else x).float(), w.float())
+            err = ((y.float() - ref).abs().amax(1) / ref.abs().amax(1)).max().item()  # the worst row's
+            print(f"CUDA GEMV {m} rows [{n} x {k}]{' ' + kind if kind else ''}: rel err {err:.2e}"
+                  f"{', residual equal' if same else ', residual DIFFERS'} {'OK' if err < 1e-2 and same else 'FAIL'}")
 
 
 def check_sampler() -> None:
@@ -180,13 +198,14 @@ def check_sampler() -> None:
           f"greedy rows = argmax {greedy} {'OK' if ok else 'FAIL'}")
 
 
-def gemv_runs(prompts, params) -> tuple[list, list]:
-    """Qwen3-0.6B bf16 greedy tokens, one request at a time (one-row decodes), on cuBLAS and on the GEMV."""
+def gemv_runs(prompts, params, max_num_seqs: int = 1) -> tuple[list, list]:
+    """Qwen3-0.6B bf16 greedy tokens, ``max_num_seqs`` requests at a time (decodes of that many rows), on
+    cuBLAS and on the GEMV."""
     runs, default = [], CudaGemv.ENABLED
     for on in (False, True):
         CudaGemv.ENABLED = on
         llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.3,
-                  max_num_seqs=1)
+                  max_num_seqs=max_num_seqs)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         del llm
         torch.cuda.empty_cache()

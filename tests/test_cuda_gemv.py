@@ -1,8 +1,10 @@
-"""Which projections the CUDA GEMV (model/gemv.cu) takes; its numbers are checked against F.linear on the
-GPU by benchmarks/gpu_check.py, and every projection here on the CPU stays on F.linear."""
+"""Which projections the CUDA GEMV (model/gemv.cu) takes and which variant it compiles for them; its numbers
+are checked against F.linear on the GPU by benchmarks/gpu_check.py, and every projection here on the CPU
+stays on F.linear."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import torch
@@ -20,7 +22,6 @@ def test_takes_one_bf16_row_of_a_length_the_kernel_covers():
     w = torch.zeros((6144, 4096), dtype=torch.bfloat16)
     x = torch.zeros((1, 4096), dtype=torch.bfloat16)
     assert g.takes(x, w)
-    assert not g.takes(torch.zeros((2, 4096), dtype=torch.bfloat16), w)  # two rows: cuBLAS
     assert not g.takes(x.float(), w.float())
     assert not g.takes(torch.zeros((1, 4000), dtype=torch.bfloat16), torch.zeros((8, 4000), dtype=torch.bfloat16))
     assert not g.takes(torch.zeros((1, 8192), dtype=torch.bfloat16)[:, ::2], w)  # strided row
@@ -30,9 +31,63 @@ def test_takes_one_bf16_row_of_a_length_the_kernel_covers():
     assert g.takes(gate_up, down, silu_mul=True) and not g.takes(gate_up, down)
 
 
+def test_takes_the_row_counts_of_small_decode_graphs_while_x_fits_shared_memory(monkeypatch):
+    """Decode graphs of 1, 2, 4 and 8 sequences read each weight once; other row counts stay on cuBLAS, and so
+    do rows whose x would not fit the shared memory a CTA may opt in to."""
+    g = CudaGemv(CPU)  # an H100's or H200's 227 KB off the GPU
+    w = torch.zeros((6144, 4096), dtype=torch.bfloat16)
+    rows = [m for m in range(1, 17) if g.takes(torch.zeros((m, 4096), dtype=torch.bfloat16), w)]
+    assert rows == [1, 2, 4, 8]
+    down = torch.zeros((4096, 12288), dtype=torch.bfloat16)  # 8 rows of 12,288 values: 192 KB
+    assert g.takes(torch.zeros((8, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)
+    wide = torch.zeros((16, 24576), dtype=torch.bfloat16)  # the longest row one row may have (48 KB)
+    assert [m for m in (1, 2, 4, 8) if g.takes(torch.zeros((m, 24576), dtype=torch.bfloat16), wide)] == [1, 2, 4]
+    monkeypatch.setattr(g, "max_shared", 99 * 1024)  # e.g. an sm_89 GPU
+    assert not g.takes(torch.zeros((8, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)
+    monkeypatch.setattr(CudaGemv, "ROWS", (1,))
+    assert not g.takes(torch.zeros((2, 4096), dtype=torch.bfloat16), w)
+
+
+def test_variants_above_one_row_stage_x_in_dynamic_shared_memory(monkeypatch):
+    """A variant is compiled for its row count; above one row with its own CTA shape, x in dynamic shared
+    memory (which a kernel opts in to above 48 KB), and no weights staged beside the attention (one
+    sequence's only)."""
+    compiled, attrs = [], []
+
+    class Kernel:
+        func = None
+
+    def compile_kernel(source, name, nvcc_options):
+        compiled.append(dict(o[2:].split("=") for o in nvcc_options if o.startswith("-D")))
+        return Kernel()
+
+    class Driver:
+        def cuFuncSetAttribute(self, func, attr, value):
+            attrs.append((attr, value))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", compile_kernel, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda._utils, "_check_cuda", lambda result: None)
+    g = CudaGemv(CPU)
+    g._libcuda, g.pdl = Driver(), True
+    assert g._kernel(6144, 4096)[1:] == (24, 0) and compiled[-1]["ROWS"] == "1" and not attrs
+    assert g._kernel(4096, 4096, staged=True)[1:] == (16, 5 * 16 * 4 * 32 * 16)
+    assert compiled[-1]["STAGED"] == "5"
+    _, warps, shared = g._kernel(6144, 4096, 8, norm=True, residual=True)
+    assert (warps, shared) == (16, 8 * 4096 * 2) and (8, shared) in attrs
+    assert {k: compiled[-1][k] for k in ("ROWS", "WARPS", "UNROLL", "NORM", "HAS_RESIDUAL")} == {
+        "ROWS": "8", "WARPS": "16", "UNROLL": "8", "NORM": "1", "HAS_RESIDUAL": "1"}
+    assert g._kernel(4096, 4096, 2, staged=True)[1:] == (16, 2 * 4096 * 2) and "STAGED" not in compiled[-1]
+    assert g._kernel(6144, 4096, 8, norm=True, residual=True) == g._kernel(6144, 4096, 8, norm=True, residual=True)
+    assert len(compiled) == 4  # variants are compiled once
+
+
 def test_unroll_halves_until_a_row_is_whole_steps():
     g = CudaGemv(CPU, unroll=8)  # 8 loads a lane: a step of 32 lanes is 256 * 8 values
     assert [g.unroll_for(k) for k in (4096, 12288, 14336, 1024, 3072, 768, 256)] == [8, 8, 8, 4, 4, 1, 1]
+    g = CudaGemv(CPU)  # 4 loads a lane at one row, ROW_UNROLL (8) above
+    assert [g.unroll_for(k, rows) for k, rows in ((4096, 1), (4096, 2), (1024, 8), (768, 4))] == [4, 8, 4, 1]
 
 
 def test_projections_fall_back_to_f_linear():

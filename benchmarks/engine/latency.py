@@ -30,6 +30,7 @@ from pagedserve.model.cuda_gemv import CudaGemv
 from pagedserve.model.layers import use_gemv
 
 WARP_CHOICES = CudaGemv.WARP_CHOICES  # the engine's, restored by settings without -fixed
+ROWS = CudaGemv.ROWS  # ... and without -rows1
 
 
 def main() -> None:
@@ -40,9 +41,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gemv", default="", help="comma-separated kernels for one-row projections: cublas, or cuda with "
-                    "-unfused (norms as kernels of their own) and/or -nopdl (plain launches), -fixed (WARPS for every shape) and :WARPSxUNROLL "
-                    "to measure one after another, decode graphs captured again for each")
+    ap.add_argument("--gemv", default="", help="comma-separated kernels for the projections of decode steps of up to "
+                    "8 sequences: cublas, or cuda with -unfused (norms as kernels of their own) and/or -nopdl (plain "
+                    "launches), -fixed (WARPS for every shape), -rows1 (one sequence's steps alone; more on cuBLAS) "
+                    "and :WARPSxUNROLL to measure one after another, decode graphs captured again for each")
     ap.add_argument("--decode-segments", default="",
                     help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")
     ap.add_argument("--fused-decode", type=on_off, help="comma-separated on/off: decode-only steps' attention in "
@@ -86,7 +88,7 @@ def main() -> None:
 
 def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl: bool | None,
               staged: bool | None) -> None:
-    """Decode graphs captured again with one-row projections on ``gemv`` (a --gemv setting), decodes
+    """Decode graphs captured again with small batches' projections on ``gemv`` (a --gemv setting), decodes
     split over ``segs`` segments, the fused decode on or off and launched as a programmatic dependent or
     not, o_proj staged or not (None: as configured)."""
     if not runner._graphs:
@@ -101,6 +103,7 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
     if gemv is not None:
         CudaGemv.FUSE_NORM, CudaGemv.PDL = "unfused" not in gemv, "nopdl" not in gemv
         CudaGemv.WARP_CHOICES = () if "fixed" in gemv else WARP_CHOICES
+        CudaGemv.ROWS = (1,) if "rows1" in gemv else ROWS
         if ":" in gemv:  # cuda:WARPSxUNROLL
             CudaGemv.WARPS, CudaGemv.UNROLL = map(int, gemv.split(":")[1].split("x"))
         use_gemv(runner.model, CudaGemv.build(runner.device) if gemv.startswith("cuda") else None)
@@ -110,7 +113,7 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
     gc.collect()
     torch.cuda.empty_cache()
     runner.capture_decode_graphs()
-    print(f"\n-- one-row projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
+    print(f"\n-- decode projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
           f"segments, fused decode {'as configured' if fuse is None else 'on' if fuse else 'off'}, its dependent "
           f"launch {'as configured' if pdl is None else 'on' if pdl else 'off'}, o_proj staged: "
           f"{'as configured' if staged is None else 'on' if staged else 'off'}")

@@ -9,7 +9,8 @@ Qwen3-8B was 5.09 ms with it against 5.03 ms without (docs/lab-notes.md). Kept h
 alternative to re-run on a newer Triton or GPU.
 
 python -m benchmarks.kernels.gemv [--quick] [--no-sweep]
-python -m benchmarks.kernels.gemv --cuda   # the model's CUDA GEMV (model/gemv.cu) against cuBLAS instead
+python -m benchmarks.kernels.gemv --cuda [--rows 1,2,4,8]   # the model's CUDA GEMV (model/gemv.cu) against
+    cuBLAS instead, at each row count of x (the decode graphs' batch sizes it takes)
 """
 
 from __future__ import annotations
@@ -211,42 +212,62 @@ def step_graph(m: int, fn, weights, head) -> tuple[float, int]:
     return ms, nbytes
 
 
-def label(g) -> str:
+def label(g, m: int = 1) -> str:
+    if m > 1:
+        return f"{g.ROW_WARPS}w/u{g.ROW_UNROLL}"
     return f"{g.warps}w/u{g.unroll}{'' if g.pdl else ' no PDL'}"
 
 
-def cuda_report() -> None:
-    """pagedserve's CUDA GEMV (model/gemv.cu) against cuBLAS, each shape on distinct weights back to back in
-    a graph (what a decode step sees: no weight is in L2), then a whole step's projections."""
-    from pagedserve.model import fused
+def cuda_variants(dev: torch.device, m: int) -> list:
+    """The CTA shapes compared at m rows: at one row the engine's (32 warps x 4 loads) first, the same with plain
+    launches, and others; above one row, the engine's (16 x 8) first and others."""
     from pagedserve.model.cuda_gemv import CudaGemv
 
+    if m == 1:
+        variants = [CudaGemv(dev, warps, unroll) for warps, unroll in ((32, 4), (32, 4), (16, 8), (32, 2), (24, 4))]
+        variants[1].pdl = False
+        return variants
+    variants = []
+    for warps, unroll in ((CudaGemv.ROW_WARPS, CudaGemv.ROW_UNROLL), (32, 4), (24, 4), (16, 4)):
+        g = CudaGemv(dev)
+        g.ROW_WARPS, g.ROW_UNROLL = warps, unroll
+        variants.append(g)
+    return variants
+
+
+def cuda_report(row_counts: list[int]) -> None:
+    """pagedserve's CUDA GEMV (model/gemv.cu) against cuBLAS at each row count, each shape on distinct weights
+    back to back in a graph (what a decode step sees: no weight is in L2), then a whole step's projections."""
+    from pagedserve.model import fused
+
     dev = torch.device("cuda")
-    variants = [CudaGemv(dev, warps, unroll) for warps, unroll in ((32, 4), (32, 4), (16, 8), (32, 2), (24, 4))]
-    variants[1].pdl = False  # the same kernel with plain launches
-    for name, (n, k) in SHAPES.items():
-        count = 4 if name == "lm_head" else LAYERS
-        ws = [torch.empty((n, k), device=dev, dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(count)]
-        silu = name == "down"
-        x = torch.randn((1, 2 * k if silu else k), device=dev, dtype=torch.bfloat16)
-        xin = fused.silu_mul(x) if silu else x
-        ref = F.linear(xin.float(), ws[0].float())
-        nbytes = n * k * 2
-        t = per_call_us(lambda i: F.linear(fused.silu_mul(x) if silu else x, ws[i]), count)
-        line = [f"{name} [{n} x {k}]: cuBLAS{' + silu_mul' if silu else ''} {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s)"]
-        for g in variants:
-            if not g.takes(x, ws[0], silu_mul=silu):
-                continue
-            err = ((g(x, ws[0], silu_mul=silu).float() - ref).abs().max() / ref.abs().max()).item()
-            t = per_call_us(lambda i: g(x, ws[i], silu_mul=silu), count)
-            line.append(f"{label(g)} {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s, err {err:.1e})")
-        print(" | ".join(line))
     weights, head = step_weights()
-    ms, nbytes = step_graph(1, lambda name, x, w: F.linear(x, w), weights, head)
-    print(f"step's projections, cuBLAS: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
-    for g in variants:
-        ms, nbytes = step_graph(1, lambda name, x, w: g(x, w), weights, head)
-        print(f"step's projections, CUDA GEMV {label(g)}: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
+    for m in row_counts:
+        print(f"\n== {m} row{'s' if m > 1 else ''} of x")
+        variants = cuda_variants(dev, m)
+        for name, (n, k) in SHAPES.items():
+            count = 4 if name == "lm_head" else LAYERS
+            ws = [torch.empty((n, k), device=dev, dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(count)]
+            silu = name == "down"
+            x = torch.randn((m, 2 * k if silu else k), device=dev, dtype=torch.bfloat16)
+            xin = fused.silu_mul(x) if silu else x
+            ref = F.linear(xin.float(), ws[0].float())
+            nbytes = n * k * 2
+            t = per_call_us(lambda i: F.linear(fused.silu_mul(x) if silu else x, ws[i]), count)
+            line = [f"{name} [{n} x {k}]: cuBLAS{' + silu_mul' if silu else ''} {t:6.2f} us "
+                    f"({nbytes / t / 1e6:.2f} TB/s)"]
+            for g in variants:
+                if not g.takes(x, ws[0], silu_mul=silu):
+                    continue
+                err = ((g(x, ws[0], silu_mul=silu).float() - ref).abs().max() / ref.abs().max()).item()
+                t = per_call_us(lambda i: g(x, ws[i], silu_mul=silu), count)
+                line.append(f"{label(g, m)} {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s, err {err:.1e})")
+            print(" | ".join(line))
+        ms, nbytes = step_graph(m, lambda name, x, w: F.linear(x, w), weights, head)
+        print(f"step's projections at {m} rows, cuBLAS: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
+        for g in variants:
+            ms, nbytes = step_graph(m, lambda name, x, w: g(x, w), weights, head)
+            print(f"step's projections at {m} rows, CUDA GEMV {label(g, m)}: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
 
 
 def main() -> None:
@@ -254,7 +275,8 @@ def main() -> None:
     quick = "--quick" in sys.argv
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if "--cuda" in sys.argv:
-        cuda_report()
+        rows = sys.argv[sys.argv.index("--rows") + 1] if "--rows" in sys.argv else "1"
+        cuda_report([int(m) for m in rows.split(",")])
         return
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)

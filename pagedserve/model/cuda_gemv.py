@@ -1,7 +1,8 @@
-"""One-row bf16 projections as a hand-written CUDA GEMV (gemv.cu), compiled once per reduction length
-with NVRTC through torch. A decode step of one sequence is ~145 such projections whose weights are the
-whole cost; cuBLAS's kernels for one row leave SMs idle or add a split-K reduce kernel. Larger batches
-and every other shape keep cuBLAS (``F.linear``)."""
+"""bf16 projections of 1, 2, 4 or 8 rows as a hand-written CUDA GEMV (gemv.cu), compiled once per reduction
+length and row count with NVRTC through torch. A decode step of a few sequences is ~145 such projections
+whose weights are the whole cost; cuBLAS's kernels for so few rows leave SMs idle, add a split-K reduce
+kernel, or read the weights at a lower rate. Larger batches and every other shape keep cuBLAS
+(``F.linear``)."""
 from __future__ import annotations
 
 import ctypes
@@ -41,6 +42,11 @@ class CudaGemv:
     WARPS = 32
     WARP_CHOICES = (32, 28, 24, 20, 16)  # warps a CTA ``warps_for`` picks from (up to ``warps``)
     UNROLL = 4
+    # rows of x a variant takes (the decode graphs' batch sizes up to 8; other counts go to cuBLAS); above
+    # one row a lane keeps a sum a row, so half the warps with twice the loads each keep as many bytes in
+    # flight with registers to spare (ptxas: 61-82 a thread, no spills, at 2-8 rows)
+    ROWS = (1, 2, 4, 8)
+    ROW_WARPS, ROW_UNROLL = 16, 8
     # the projection after attention (``staged``): its weights start copying into shared memory while the
     # attention kernel runs beside it; half the registers (16 warps at <= 64 a thread) and 160 KB of shared
     # memory a CTA leave room for one attention CTA on the same multiprocessor, and none for a second
@@ -53,7 +59,10 @@ class CudaGemv:
         self.device = device
         self.warps, self.unroll = warps or self.WARPS, unroll or self.UNROLL
         self.sms = sm_count(device)
-        self._kernels: dict[tuple[int, int, bool, bool, bool, int], tuple[object, int, int]] = {}
+        # the shared memory a CTA may opt in to: x's rows are staged there (an H100's or H200's off the GPU)
+        self.max_shared = (torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+                           if device.type == "cuda" else 227 * 1024)
+        self._kernels: dict[tuple[int, int, int, bool, bool, bool, int], tuple[object, int, int]] = {}
         # programmatic dependent launch where the device has it (griddepcontrol: sm_90+)
         self.pdl = self.PDL and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
         self._libcuda = torch.cuda._utils._get_gpu_runtime_library() if device.type == "cuda" else None
@@ -86,9 +95,10 @@ class CudaGemv:
         logger.info("one-row projections: cuBLAS (CUDA GEMV unused: %s)", reason)
         return None
 
-    def unroll_for(self, k: int) -> int:
-        """Loads in flight a lane: ``unroll``, halved until a row splits into whole steps of 32 lanes."""
-        u = self.unroll
+    def unroll_for(self, k: int, rows: int = 1) -> int:
+        """Loads in flight a lane: ``unroll`` (``ROW_UNROLL`` above one row), halved until a row splits into
+        whole steps of 32 lanes."""
+        u = self.unroll if rows == 1 else self.ROW_UNROLL
         while u > 1 and (k // 8) % (32 * u):
             u //= 2
         return u
@@ -120,21 +130,23 @@ class CudaGemv:
         """Whether a one-row bf16 projection by ``weight`` after attention copies weights beside the attention."""
         return self.takes_weight(weight, torch.bfloat16) and self._chunks_to_stage(*weight.shape) > 0
 
-    def _kernel(self, n: int, k: int, silu_mul: bool = False, norm: bool = False, residual: bool = False,
-                staged: bool = False) -> tuple[object, int, int]:
-        """(the compiled variant for an n x k weight, its warps a CTA, its dynamic shared memory in bytes)."""
-        chunks = self._chunks_to_stage(n, k) if staged else 0  # (``takes`` held)
-        warps = self.STAGE_WARPS if chunks else self.warps_for(n)
-        key = (warps, k, silu_mul, norm, residual, chunks)
+    def _kernel(self, n: int, k: int, rows: int = 1, silu_mul: bool = False, norm: bool = False,
+                residual: bool = False, staged: bool = False) -> tuple[object, int, int]:
+        """(the compiled variant for an n x k weight and ``rows`` rows of x, its warps a CTA, its dynamic shared
+        memory in bytes)."""
+        chunks = self._chunks_to_stage(n, k) if staged and rows == 1 else 0  # (``takes`` held)
+        warps = self.STAGE_WARPS if chunks else self.warps_for(n) if rows == 1 else self.ROW_WARPS
+        key = (warps, k, rows, silu_mul, norm, residual, chunks)
         if key not in self._kernels:
-            unroll = self.unroll_for(k)
-            options = ["-std=c++17", f"-DK={k}", f"-DWARPS={warps}", f"-DUNROLL={unroll}",
+            unroll = self.unroll_for(k, rows)
+            options = ["-std=c++17", f"-DK={k}", f"-DWARPS={warps}", f"-DUNROLL={unroll}", f"-DROWS={rows}",
                        f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}", f"-DHAS_RESIDUAL={int(residual)}"]
             if chunks:
                 options += [f"-DSTAGED={chunks}", "-DMIN_CTAS=2"]
             with torch.cuda.device(self.device):
                 kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), "gemv_bf16", nvcc_options=options)
-                shared = chunks * warps * unroll * 32 * 16
+                # dynamic shared memory: the staged weights of one row, or x itself above one row
+                shared = chunks * warps * unroll * 32 * 16 if rows == 1 else rows * k * 2
                 if shared:  # above 48 KB of dynamic shared memory a kernel must opt in
                     for attr, value in ((_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
                                         (_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):  # L1 all shared memory
@@ -143,10 +155,12 @@ class CudaGemv:
         return self._kernels[key]
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
-        """One contiguous bf16 row against a contiguous bf16 weight of rows a multiple of 256 values that fit
-        the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's columns)."""
-        return (x.dim() == 2 and x.shape == (1, weight.shape[1] * (2 if silu_mul else 1)) and x.is_contiguous()
-                and x.data_ptr() % 16 == 0 and self.takes_weight(weight, x.dtype))
+        """``ROWS`` contiguous bf16 rows against a contiguous bf16 weight of rows a multiple of 256 values that
+        fit the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's columns)."""
+        k = weight.shape[1]
+        return (x.dim() == 2 and x.shape[0] in self.ROWS and x.shape[1] == k * (2 if silu_mul else 1)
+                and x.is_contiguous() and x.data_ptr() % 16 == 0 and self.takes_weight(weight, x.dtype)
+                and (x.shape[0] == 1 or x.shape[0] * k * 2 <= self.max_shared))
 
     @staticmethod
     def takes_weight(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
@@ -157,10 +171,11 @@ class CudaGemv:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
                  staged: bool = False) -> torch.Tensor:
-        """x @ weight.T for one row x (with ``silu_mul``: silu(gate) * up of x = [gate | up], then the product;
-        ``staged``: x comes from the attention kernel, and the weights are staged while it runs)."""
-        out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-        self._launch(self._kernel(*weight.shape, silu_mul, staged=staged), weight, x, out, x, x, x, 0.0)
+        """x @ weight.T (with ``silu_mul``: silu(gate) * up of each row x = [gate | up], then the product;
+        ``staged``: x is one row from the attention kernel, and the weights are staged while it runs)."""
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        variant = self._kernel(*weight.shape, x.shape[0], silu_mul, staged=staged)
+        self._launch(variant, weight, x, out, x, x, x, 0.0)
         return out
 
     def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -174,9 +189,9 @@ class CudaGemv:
     def norm_project(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm(x + residual) * norm_weight, then @ weight.T, in one kernel: (the product, the new residual)."""
-        out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         new_residual = torch.empty_like(x) if residual is not None else x
-        kernel = self._kernel(*weight.shape, norm=True, residual=residual is not None)
+        kernel = self._kernel(*weight.shape, x.shape[0], norm=True, residual=residual is not None)
         self._launch(kernel, weight, x, out, residual if residual is not None else x, norm_weight, new_residual, eps)
         return out, new_residual
 

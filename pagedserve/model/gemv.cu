@@ -1,10 +1,14 @@
-// bf16 GEMV for decode steps of one sequence: y[n] = sum_k W[n, k] * x[k], fp32 accumulation.
+// bf16 GEMV for decode steps of a few sequences: y[r, n] = sum_k W[n, k] * x[r, k] for each of ROWS rows of x,
+// fp32 accumulation.
 //
 // Why not cuBLAS: at one row cuBLAS picks tiles that leave multiprocessors idle or need a second kernel
 // (split-K plus a reduce; the profiles are in docs/lab-notes.md). Here one CTA of WARPS warps sits on each
 // SM, every warp owns whole rows (rows r, r + all warps, ...), and each lane streams its 16-byte pieces
 // of a row one step of UNROLL loads ahead, across row boundaries, so the loads never drain until the
 // warp's last row. x is staged once per CTA in shared memory while the first W loads are in flight.
+// ROWS > 1: every weight piece loaded is multiplied by each row of x (a sum a row in each lane), so a decode
+// step of up to ROWS sequences reads its weights once, as one sequence's does; x then lives in dynamic
+// shared memory (ROWS x K values may pass the 48 KB a static array can hold).
 // SILU_MUL: x is [gate | up] (2K values) and the kernel multiplies silu(gate) by up as it stages it,
 // rounding as the separate silu-mul kernel does, so down_proj needs no kernel before it.
 // NORM: x is the un-normalised hidden state; each CTA stages RMSNorm(x + residual) * norm weight (rounding
@@ -42,6 +46,12 @@ typedef unsigned int uint32_t;
 #endif
 #ifndef STAGED
 #define STAGED 0
+#endif
+#ifndef ROWS
+#define ROWS 1
+#endif
+#if STAGED && ROWS > 1
+#error "STAGED copies beside one sequence's attention: ROWS 1 only"
 #endif
 #ifdef MIN_CTAS  // CTAs a multiprocessor must hold at once: caps the registers a thread may use
 #define BOUNDS __launch_bounds__(WARPS * 32, MIN_CTAS)
@@ -102,47 +112,63 @@ __device__ __forceinline__ uint32_t scale2(uint32_t h, float inv, uint32_t w) { 
 __device__ __forceinline__ void stage_x(uint4* xs, const uint4* X, const uint4* R, const uint4* NW, uint4* ROut,
                                         double eps) {
 #if NORM
-    __shared__ float part[WARPS];
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {
-        uint4 h = X[i];
+    __shared__ float part[ROWS][WARPS];
+    float ss[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        ss[r] = 0.f;
+        for (int i = r * PIECES + threadIdx.x; i < (r + 1) * PIECES; i += WARPS * 32) {
+            uint4 h = X[i];
 #if HAS_RESIDUAL
-        const uint4 r = R[i];
-        h = make_uint4(add2(h.x, r.x), add2(h.y, r.y), add2(h.z, r.z), add2(h.w, r.w));
-        if (blockIdx.x == 0) ROut[i] = h;
+            const uint4 res = R[i];
+            h = make_uint4(add2(h.x, res.x), add2(h.y, res.y), add2(h.z, res.z), add2(h.w, res.w));
+            if (blockIdx.x == 0) ROut[i] = h;
 #endif
-        xs[i] = h;
-        ss += sq2(h.x) + sq2(h.y) + sq2(h.z) + sq2(h.w);
-    }
+            xs[i] = h;
+            ss[r] += sq2(h.x) + sq2(h.y) + sq2(h.z) + sq2(h.w);
+        }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+        for (int o = 16; o > 0; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffff, ss[r], o);
+        if ((threadIdx.x & 31) == 0) part[r][threadIdx.x >> 5] = ss[r];
+    }
     __syncthreads();
-    ss = 0.f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) ss += part[w];
-    const float inv = 1.f / sqrtf(ss / K + (float)eps);
-    for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {  // each thread rescales the pieces it staged
-        const uint4 h = xs[i], w = NW[i];
-        xs[i] = make_uint4(scale2(h.x, inv, w.x), scale2(h.y, inv, w.y), scale2(h.z, inv, w.z), scale2(h.w, inv, w.w));
+    for (int r = 0; r < ROWS; ++r) {
+        ss[r] = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) ss[r] += part[r][w];
+        const float inv = 1.f / sqrtf(ss[r] / K + (float)eps);
+        for (int i = r * PIECES + threadIdx.x; i < (r + 1) * PIECES; i += WARPS * 32) {  // the pieces it staged
+            const uint4 h = xs[i], w = NW[i - r * PIECES];
+            xs[i] = make_uint4(scale2(h.x, inv, w.x), scale2(h.y, inv, w.y), scale2(h.z, inv, w.z),
+                               scale2(h.w, inv, w.w));
+        }
     }
 #else
-    for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {
-#if SILU_MUL
-        const uint4 g = X[i], u = X[PIECES + i];
-        xs[i] = make_uint4(silu_mul2(g.x, u.x), silu_mul2(g.y, u.y), silu_mul2(g.z, u.z), silu_mul2(g.w, u.w));
+    for (int r = 0; r < ROWS; ++r) {
+        for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {
+#if SILU_MUL  // a row of x is [gate | up]: 2 x PIECES
+            const uint4 g = X[2 * r * PIECES + i], u = X[(2 * r + 1) * PIECES + i];
+            xs[r * PIECES + i] = make_uint4(silu_mul2(g.x, u.x), silu_mul2(g.y, u.y), silu_mul2(g.z, u.z),
+                                            silu_mul2(g.w, u.w));
 #else
-        xs[i] = X[i];
+            xs[r * PIECES + i] = X[r * PIECES + i];
 #endif
+        }
     }
 #endif
 }
 
-// R, NW, ROut, eps: the residual, norm weight, residual out and epsilon of NORM (unused otherwise).
+// X, Y, R, ROut: ROWS rows each, row-major; R, NW, ROut, eps: the residual, norm weight, residual out and
+// epsilon of NORM (unused otherwise).
 extern "C" __global__ void BOUNDS gemv_bf16(const uint4* __restrict__ W, const uint4* __restrict__ X,
                                            bf16_t* __restrict__ Y, int N, const uint4* __restrict__ R,
                                            const uint4* __restrict__ NW, uint4* __restrict__ ROut, double eps) {
+#if ROWS == 1
     __shared__ uint4 xs[PIECES];
+#else
+    extern __shared__ uint4 xs[];  // ROWS x PIECES
+#endif
     const int lane = threadIdx.x & 31;
     const int stride = gridDim.x * WARPS;
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5), step = 0;
@@ -177,7 +203,9 @@ extern "C" __global__ void BOUNDS gemv_bf16(const uint4* __restrict__ W, const u
     asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies have landed
     int chunk = 0;
 #endif
-    float acc = 0.f;
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
     while (row < N) {
         uint4 cur[UNROLL];
 #if STAGED
@@ -201,12 +229,18 @@ extern "C" __global__ void BOUNDS gemv_bf16(const uint4* __restrict__ W, const u
             for (int u = 0; u < UNROLL; ++u) next[u] = stream_load(chunk_at(W, nrow, nstep, lane) + u * 32);
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) acc = dot8(cur[u], xs[piece0 + u * 32], acc);
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) acc[r] = dot8(cur[u], xs[r * PIECES + piece0 + u * 32], acc[r]);
+        }
         if (step == STEPS - 1) {
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
-            if (lane == 0) Y[row] = to_bf16(acc);
-            acc = 0.f;
+            for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffff, acc[r], o);
+                if (lane == 0) Y[(long)r * N + row] = to_bf16(acc[r]);
+                acc[r] = 0.f;
+            }
         }
         row = nrow;
         step = nstep;
