@@ -20,13 +20,6 @@ def positive(value: str) -> int:
     return int(value)
 
 
-def counts(value: str) -> list[int]:
-    """A comma-separated list of integers, 0 or more."""
-    if not all(v.isdigit() for v in value.split(",")):
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a comma-separated list of integers, 0 or more")
-    return [int(v) for v in value.split(",")]
-
-
 def positives(value: str) -> list[int]:
     """A comma-separated list of positive integers."""
     return [positive(v) for v in value.split(",")]

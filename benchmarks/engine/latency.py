@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 
-from benchmarks.args import counts, on_off
+from benchmarks.args import on_off
 from benchmarks.kernels.harness import graph_ms
 from pagedserve import LLM, SamplingParams
 from pagedserve.bench.latency import run_latency
@@ -50,9 +50,9 @@ def main() -> None:
     ap.add_argument("--fused-decode", type=on_off, help="comma-separated on/off: decode-only steps' attention in "
                     "one kernel (on, the default) or as norm/rotary/store + attention + merge (off), crossed with "
                     "the rest")
-    ap.add_argument("--decode-pdl", type=counts, help="comma-separated: the most sequences at which a decode step's "
-                    "fused decode is launched as a programmatic dependent of the q/k/v projection (the backend's "
-                    "DECODE_PDL_ROWS by default on sm_90+; 0: never), crossed with the rest")
+    ap.add_argument("--decode-pdl", type=on_off, help="comma-separated on/off: one sequence's fused decode launched "
+                    "as a programmatic dependent of the q/k/v projection (on, the default on sm_90+) or plainly, "
+                    "crossed with the rest")
     ap.add_argument("--o-proj-staged", type=on_off, help="comma-separated on/off: o_proj's weights copied into "
                     "shared memory while one sequence's attention runs, with that attention's first key tile "
                     "prefetched into L2 (on, the default on sm_90+), or neither (off); crossed with the rest")
@@ -86,7 +86,7 @@ def main() -> None:
             print(f"{check.max_tokens} greedy tokens {'identical to' if tokens == first else 'DIFFER from'} the first setting's")
 
 
-def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl: int | None,
+def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl: bool | None,
               staged: bool | None) -> None:
     """Decode graphs captured again with small batches' projections on ``gemv`` (a --gemv setting), decodes
     split over ``segs`` segments, the fused decode on or off and launched as a programmatic dependent or
@@ -99,7 +99,7 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
     if fuse is not None:
         runner.backend.FUSED_DECODE = fuse
     if pdl is not None:
-        runner.backend.DECODE_PDL_ROWS = pdl
+        runner.backend.DECODE_PDL = pdl
     if gemv is not None:
         CudaGemv.FUSE_NORM, CudaGemv.PDL = "unfused" not in gemv, "nopdl" not in gemv
         CudaGemv.WARP_CHOICES = () if "fixed" in gemv else WARP_CHOICES
@@ -115,7 +115,7 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
     runner.capture_decode_graphs()
     print(f"\n-- decode projections on {gemv or 'the default'}, decodes over {segs or 'the backend`s choice of'} "
           f"segments, fused decode {'as configured' if fuse is None else 'on' if fuse else 'off'}, its dependent "
-          f"launch {'as configured' if pdl is None else f'up to {pdl} sequences'}, o_proj staged: "
+          f"launch {'as configured' if pdl is None else 'on' if pdl else 'off'}, o_proj staged: "
           f"{'as configured' if staged is None else 'on' if staged else 'off'}")
 
 

@@ -158,12 +158,9 @@ class CudaGemv:
         """``ROWS`` contiguous bf16 rows against a contiguous bf16 weight of rows a multiple of 256 values that
         fit the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's columns)."""
         k = weight.shape[1]
-        return (x.dim() == 2 and self.takes_rows(x.shape[0], k) and x.shape[1] == k * (2 if silu_mul else 1)
-                and x.is_contiguous() and x.data_ptr() % 16 == 0 and self.takes_weight(weight, x.dtype))
-
-    def takes_rows(self, rows: int, k: int) -> bool:
-        """``takes`` for the row count of x alone: one of ``ROWS``, whose k values each fit shared memory."""
-        return rows in self.ROWS and (rows == 1 or rows * k * 2 <= self.max_shared)
+        return (x.dim() == 2 and x.shape[0] in self.ROWS and x.shape[1] == k * (2 if silu_mul else 1)
+                and x.is_contiguous() and x.data_ptr() % 16 == 0 and self.takes_weight(weight, x.dtype)
+                and (x.shape[0] == 1 or x.shape[0] * k * 2 <= self.max_shared))
 
     @staticmethod
     def takes_weight(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:

@@ -422,9 +422,7 @@ class TritonAttentionBackend:
     FUSED_DECODE = True  # decode-only steps in one kernel (_fused_decode); off only to measure what it saves
     # a mixed step's decodes and prefill tiles in one launch where _one_launch allows; off only to measure
     ONE_LAUNCH = True
-    # decode batches of up to this many sequences launch the fused decode as a programmatic dependent of the
-    # q/k/v GEMV (sm_90+); 0 (none) only to measure
-    DECODE_PDL_ROWS = 1
+    DECODE_PDL = True  # one sequence's fused decode as a programmatic dependent (sm_90+); off only to measure
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int = 132, has_pdl: bool = False):
         self.G = num_heads // num_kv_heads
@@ -559,13 +557,12 @@ class TritonAttentionBackend:
         return self.attend(q, kv_cache, meta, layer.scale), False
 
     def releases_early(self, layer, qkv: torch.Tensor) -> bool:
-        """Whether the fused decode launches as a programmatic dependent: at up to ``DECODE_PDL_ROWS`` sequences
-        where its q/k/v projection ran on the CUDA GEMV, which releases it early; after a cuBLAS projection
-        (larger batches, a bias, other dtypes) an early launch only holds SM resources while that projection
-        runs."""
-        proj, rows = layer.qkv_proj, qkv.shape[0]
-        return (self.has_pdl and rows <= self.DECODE_PDL_ROWS and proj.gemv is not None and proj.bias is None
-                and proj.gemv.takes_rows(rows, proj.weight.shape[1]) and proj.gemv.takes_weight(proj.weight, qkv.dtype))
+        """Whether the fused decode launches as a programmatic dependent: where its q/k/v projection ran on the
+        one-row CUDA GEMV, which releases it early; after a cuBLAS projection (larger batches, a bias, other
+        dtypes) an early launch only holds SM resources while that projection runs."""
+        proj = layer.qkv_proj
+        return (self.DECODE_PDL and self.has_pdl and qkv.shape[0] == 1 and proj.gemv is not None
+                and proj.bias is None and proj.gemv.takes_weight(proj.weight, qkv.dtype))
 
     def _fused_decode(self, qkv, positions, layer, qw, kw, eps, kv_cache, meta, st: TritonState,
                       pdl: bool) -> torch.Tensor:
@@ -577,10 +574,10 @@ class TritonAttentionBackend:
         fp8 = kv_cache.element_size() == 1
         tile, warps, stages, v_asm = self._shape(launch, st, fp8, kv_cache.is_cuda)
         cos, sin = layer.rotary.cos, layer.rotary.sin
-        # o_proj's weights copied beside one sequence's kernel (CudaGemv.STAGE) load HBM while it runs: its first
-        # key tile goes to L2 before the wait (without the copy, that prefetch only lengthens the kernel)
+        # o_proj's weights copied beside this kernel (CudaGemv.STAGE) load HBM while it runs: its first key
+        # tile goes to L2 before the wait (without the copy, that prefetch only lengthens the kernel)
         o_proj = layer.o_proj
-        prefetch = pdl and qkv.shape[0] == 1 and o_proj.gemv is not None and o_proj.gemv.stages(o_proj.weight)
+        prefetch = pdl and o_proj.gemv is not None and o_proj.gemv.stages(o_proj.weight)
         _fused_decode[(launch.tile_seq.shape[0], self.num_kv_heads, segs)](
             qkv, positions, cos, sin, cos if qw is None else qw, cos if kw is None else kw, meta.slot_mapping,
             kv_cache, out, st.part_acc if split else out, st.part_ml if split else out, st.counts if split else out,
