@@ -32,18 +32,17 @@ def test_takes_one_bf16_row_of_a_length_the_kernel_covers():
 
 
 def test_takes_the_row_counts_of_small_decode_graphs_while_x_fits_shared_memory(monkeypatch):
-    """Decode graphs of 1, 2, 4 and 8 sequences read each weight once; other row counts stay on cuBLAS, and so
+    """Decode graphs of one and two sequences read each weight once; other row counts stay on cuBLAS, and so
     do rows whose x would not fit the shared memory a CTA may opt in to."""
     g = CudaGemv(CPU)  # an H100's or H200's 227 KB off the GPU
     w = torch.zeros((6144, 4096), dtype=torch.bfloat16)
     rows = [m for m in range(1, 17) if g.takes(torch.zeros((m, 4096), dtype=torch.bfloat16), w)]
-    assert rows == [1, 2, 4, 8]
-    down = torch.zeros((4096, 12288), dtype=torch.bfloat16)  # 8 rows of 12,288 values: 192 KB
-    assert g.takes(torch.zeros((8, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)
-    wide = torch.zeros((16, 24576), dtype=torch.bfloat16)  # the longest row one row may have (48 KB)
-    assert [m for m in (1, 2, 4, 8) if g.takes(torch.zeros((m, 24576), dtype=torch.bfloat16), wide)] == [1, 2, 4]
-    monkeypatch.setattr(g, "max_shared", 99 * 1024)  # e.g. an sm_89 GPU
-    assert not g.takes(torch.zeros((8, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)
+    assert rows == [1, 2]
+    down = torch.zeros((4096, 12288), dtype=torch.bfloat16)  # 2 rows of 12,288 values: 48 KB
+    assert g.takes(torch.zeros((2, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)
+    monkeypatch.setattr(g, "max_shared", 32 * 1024)
+    assert not g.takes(torch.zeros((2, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)
+    assert g.takes(torch.zeros((1, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)  # a static array
     monkeypatch.setattr(CudaGemv, "ROWS", (1,))
     assert not g.takes(torch.zeros((2, 4096), dtype=torch.bfloat16), w)
 
@@ -74,20 +73,21 @@ def test_variants_above_one_row_stage_x_in_dynamic_shared_memory(monkeypatch):
     assert g._kernel(6144, 4096)[1:] == (24, 0) and compiled[-1]["ROWS"] == "1" and not attrs
     assert g._kernel(4096, 4096, staged=True)[1:] == (16, 5 * 16 * 4 * 32 * 16)
     assert compiled[-1]["STAGED"] == "5"
-    _, warps, shared = g._kernel(6144, 4096, 8, norm=True, residual=True)
-    assert (warps, shared) == (16, 8 * 4096 * 2) and (8, shared) in attrs
+    _, warps, shared = g._kernel(6144, 4096, 2, norm=True, residual=True)
+    assert (warps, shared) == (32, 2 * 4096 * 2)  # 32 warps at two rows, where one row's balance rule takes 24
     assert {k: compiled[-1][k] for k in ("ROWS", "WARPS", "UNROLL", "NORM", "HAS_RESIDUAL")} == {
-        "ROWS": "8", "WARPS": "16", "UNROLL": "8", "NORM": "1", "HAS_RESIDUAL": "1"}
-    assert g._kernel(4096, 4096, 2, staged=True)[1:] == (16, 2 * 4096 * 2) and "STAGED" not in compiled[-1]
-    assert g._kernel(6144, 4096, 8, norm=True, residual=True) == g._kernel(6144, 4096, 8, norm=True, residual=True)
-    assert len(compiled) == 4  # variants are compiled once
+        "ROWS": "2", "WARPS": "32", "UNROLL": "4", "NORM": "1", "HAS_RESIDUAL": "1"}
+    assert g._kernel(4096, 24576, 2)[2] == 96 * 1024 and (8, 96 * 1024) in attrs  # opted in to 96 KB
+    assert g._kernel(4096, 4096, 2, staged=True)[1:] == (32, 2 * 4096 * 2) and "STAGED" not in compiled[-1]
+    assert g._kernel(6144, 4096, 2, norm=True, residual=True) == g._kernel(6144, 4096, 2, norm=True, residual=True)
+    assert len(compiled) == 5  # variants are compiled once
 
 
 def test_unroll_halves_until_a_row_is_whole_steps():
     g = CudaGemv(CPU, unroll=8)  # 8 loads a lane: a step of 32 lanes is 256 * 8 values
     assert [g.unroll_for(k) for k in (4096, 12288, 14336, 1024, 3072, 768, 256)] == [8, 8, 8, 4, 4, 1, 1]
-    g = CudaGemv(CPU)  # 4 loads a lane at one row, ROW_UNROLL (8) above
-    assert [g.unroll_for(k, rows) for k, rows in ((4096, 1), (4096, 2), (1024, 8), (768, 4))] == [4, 8, 4, 1]
+    g = CudaGemv(CPU, unroll=2)  # 2 loads a lane at one row, ROW_UNROLL (4) above
+    assert [g.unroll_for(k, rows) for k, rows in ((4096, 1), (4096, 2), (1024, 2), (768, 2))] == [2, 4, 4, 1]
 
 
 def test_projections_fall_back_to_f_linear():

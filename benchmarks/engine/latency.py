@@ -41,8 +41,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gemv", default="", help="comma-separated kernels for the projections of decode steps of up to "
-                    "8 sequences: cublas, or cuda with -unfused (norms as kernels of their own) and/or -nopdl (plain "
+    ap.add_argument("--gemv", default="", help="comma-separated kernels for the projections of decode steps of one or "
+                    "two sequences: cublas, or cuda with -unfused (norms as kernels of their own) and/or -nopdl (plain "
                     "launches), -fixed (WARPS for every shape), -rows1 (one sequence's steps alone; more on cuBLAS) "
                     "and :WARPSxUNROLL to measure one after another, decode graphs captured again for each")
     ap.add_argument("--decode-segments", default="",

@@ -10,7 +10,7 @@ alternative to re-run on a newer Triton or GPU.
 
 python -m benchmarks.kernels.gemv [--quick] [--no-sweep]
 python -m benchmarks.kernels.gemv --cuda [--rows 1,2,4,8]   # the model's CUDA GEMV (model/gemv.cu) against
-    cuBLAS instead, at each row count of x (the decode graphs' batch sizes it takes)
+    cuBLAS instead, at each row count of x (the engine's GEMV takes 1 and 2; more rows run here all the same)
 """
 
 from __future__ import annotations
@@ -220,7 +220,8 @@ def label(g, m: int = 1) -> str:
 
 def cuda_variants(dev: torch.device, m: int) -> list:
     """The CTA shapes compared at m rows: at one row the engine's (32 warps x 4 loads) first, the same with plain
-    launches, and others; above one row, the engine's (16 x 8) first and others."""
+    launches, and others; above one row, the engine's first and others, each taking m rows whether or not the
+    engine's GEMV does."""
     from pagedserve.model.cuda_gemv import CudaGemv
 
     if m == 1:
@@ -228,9 +229,9 @@ def cuda_variants(dev: torch.device, m: int) -> list:
         variants[1].pdl = False
         return variants
     variants = []
-    for warps, unroll in ((CudaGemv.ROW_WARPS, CudaGemv.ROW_UNROLL), (32, 4), (24, 4), (16, 4)):
+    for warps, unroll in ((CudaGemv.ROW_WARPS, CudaGemv.ROW_UNROLL), (16, 8), (24, 4), (16, 4)):
         g = CudaGemv(dev)
-        g.ROW_WARPS, g.ROW_UNROLL = warps, unroll
+        g.ROW_WARPS, g.ROW_UNROLL, g.ROWS = warps, unroll, (1, m)
         variants.append(g)
     return variants
 

@@ -1,8 +1,8 @@
-"""bf16 projections of 1, 2, 4 or 8 rows as a hand-written CUDA GEMV (gemv.cu), compiled once per reduction
-length and row count with NVRTC through torch. A decode step of a few sequences is ~145 such projections
-whose weights are the whole cost; cuBLAS's kernels for so few rows leave SMs idle, add a split-K reduce
-kernel, or read the weights at a lower rate. Larger batches and every other shape keep cuBLAS
-(``F.linear``)."""
+"""bf16 projections of one or two rows as a hand-written CUDA GEMV (gemv.cu), compiled once per reduction
+length and row count with NVRTC through torch. A decode step of one or two sequences is ~145 such
+projections whose weights are the whole cost; cuBLAS's kernels for so few rows leave SMs idle, add a
+split-K reduce kernel, or read the weights at a lower rate. Larger batches and every other shape keep
+cuBLAS (``F.linear``)."""
 from __future__ import annotations
 
 import ctypes
@@ -42,11 +42,12 @@ class CudaGemv:
     WARPS = 32
     WARP_CHOICES = (32, 28, 24, 20, 16)  # warps a CTA ``warps_for`` picks from (up to ``warps``)
     UNROLL = 4
-    # rows of x a variant takes (the decode graphs' batch sizes up to 8; other counts go to cuBLAS); above
-    # one row a lane keeps a sum a row, so half the warps with twice the loads each keep as many bytes in
-    # flight with registers to spare (ptxas: 61-82 a thread, no spills, at 2-8 rows)
-    ROWS = (1, 2, 4, 8)
-    ROW_WARPS, ROW_UNROLL = 16, 8
+    # rows of x a variant takes: the decode graphs of one and two sequences (other counts go to cuBLAS; at
+    # four rows the kernel measured no faster than cuBLAS, at eight far slower: a lane's shared-memory reads
+    # and conversions grow with the rows, its weight loads do not). Above one row, 32 warps x 4 loads for
+    # every shape (fewer warps measured slower there)
+    ROWS = (1, 2)
+    ROW_WARPS, ROW_UNROLL = 32, 4
     # the projection after attention (``staged``): its weights start copying into shared memory while the
     # attention kernel runs beside it; half the registers (16 warps at <= 64 a thread) and 160 KB of shared
     # memory a CTA leave room for one attention CTA on the same multiprocessor, and none for a second

@@ -1,5 +1,5 @@
-// bf16 GEMV for decode steps of a few sequences: y[r, n] = sum_k W[n, k] * x[r, k] for each of ROWS rows of x,
-// fp32 accumulation.
+// bf16 GEMV for decode steps of one or two sequences: y[r, n] = sum_k W[n, k] * x[r, k] for each of ROWS rows
+// of x, fp32 accumulation.
 //
 // Why not cuBLAS: at one row cuBLAS picks tiles that leave multiprocessors idle or need a second kernel
 // (split-K plus a reduce; the profiles are in docs/lab-notes.md). Here one CTA of WARPS warps sits on each
@@ -7,8 +7,8 @@
 // of a row one step of UNROLL loads ahead, across row boundaries, so the loads never drain until the
 // warp's last row. x is staged once per CTA in shared memory while the first W loads are in flight.
 // ROWS > 1: every weight piece loaded is multiplied by each row of x (a sum a row in each lane), so a decode
-// step of up to ROWS sequences reads its weights once, as one sequence's does; x then lives in dynamic
-// shared memory (ROWS x K values may pass the 48 KB a static array can hold).
+// step of ROWS sequences reads its weights once, as one sequence's does; x then lives in dynamic shared
+// memory (ROWS x K values may pass the 48 KB a static array can hold).
 // SILU_MUL: x is [gate | up] (2K values) and the kernel multiplies silu(gate) by up as it stages it,
 // rounding as the separate silu-mul kernel does, so down_proj needs no kernel before it.
 // NORM: x is the un-normalised hidden state; each CTA stages RMSNorm(x + residual) * norm weight (rounding
