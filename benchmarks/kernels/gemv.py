@@ -9,14 +9,17 @@ Qwen3-8B was 5.09 ms with it against 5.03 ms without (docs/lab-notes.md). Kept h
 alternative to re-run on a newer Triton or GPU.
 
 python -m benchmarks.kernels.gemv [--quick] [--no-sweep]
-python -m benchmarks.kernels.gemv --cuda [--rows 1,2,4,8]   # the model's CUDA GEMV (model/gemv.cu) against
-    cuBLAS instead, at each row count of x (the engine's GEMV takes 1 and 2; more rows run here all the same)
+python -m benchmarks.kernels.gemv --cuda [--rows 1,2,4,8,16]   # the model's CUDA GEMV (model/gemv.cu) against
+    cuBLAS instead, at each row count of x (the engine's GEMV takes 1 and 2; more rows run here all the same),
+    and above one row a candidate on the tensor cores (gemv_mma.cu)
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +109,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
 LAYERS = 36
+MMA_SOURCE = Path(__file__).with_name("gemv_mma.cu")
 
 
 @triton.jit
@@ -213,15 +217,56 @@ def step_graph(m: int, fn, weights, head) -> tuple[float, int]:
 
 
 def label(g, m: int = 1) -> str:
+    if isinstance(g, tensor_core_gemv()):
+        return f"mma {g.mma_warps}w/u{g.mma_unroll}"
     if m > 1:
         return f"{g.ROW_WARPS}w/u{g.ROW_UNROLL}"
     return f"{g.warps}w/u{g.unroll}{'' if g.pdl else ' no PDL'}"
 
 
+@functools.cache
+def tensor_core_gemv():
+    """The candidate of gemv_mma.cu as a CudaGemv: the engine's staging of x and launcher, the tensor-core kernel
+    for one row count. (A function, so that importing this module needs no CUDA build of pagedserve's GEMV.)"""
+    from pagedserve.model.cuda_gemv import _MAX_DYNAMIC_SHARED_SIZE_BYTES, _SOURCE, CudaGemv
+
+    class TensorCoreGemv(CudaGemv):
+        def __init__(self, device: torch.device, rows: int, warps: int, unroll: int):
+            super().__init__(device)
+            self.rows, self.mma_warps, self.mma_unroll = rows, warps, unroll
+
+        def shared(self, k: int) -> int:  # x, then the warps' sums of a tile in two buffers
+            return self.rows * k * 2 + 2 * self.mma_warps * -(-self.rows // 8) * 128 * 4
+
+        def takes(self, x, weight, silu_mul=False):
+            n, k = weight.shape
+            return (x.shape == (self.rows, k * (2 if silu_mul else 1)) and self.takes_weight(weight, x.dtype)
+                    and n % 16 == 0 and k % (32 * self.mma_warps) == 0 and self.shared(k) <= self.max_shared)
+
+        def _kernel(self, n, k, rows=1, silu_mul=False, norm=False, residual=False, staged=False):
+            key = (k, silu_mul, norm, residual)
+            if key not in self._kernels:
+                unroll = self.mma_unroll
+                while unroll > 1 and (k // 8) % (4 * self.mma_warps * unroll):
+                    unroll //= 2
+                options = ["-std=c++17", f"-DK={k}", f"-DWARPS={self.mma_warps}", f"-DUNROLL={unroll}",
+                           f"-DROWS={self.rows}", f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}",
+                           f"-DHAS_RESIDUAL={int(residual)}"]
+                source = _SOURCE.read_text() + MMA_SOURCE.read_text()
+                with torch.cuda.device(self.device):
+                    kernel = torch.cuda._compile_kernel(source, "gemv_bf16_mma", nvcc_options=options)
+                    torch.cuda._utils._check_cuda(self._libcuda.cuFuncSetAttribute(
+                        kernel.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared(k)))
+                self._kernels[key] = kernel, self.mma_warps, self.shared(k), 16  # a CTA takes 16 weight rows
+            return self._kernels[key]
+
+    return TensorCoreGemv
+
+
 def cuda_variants(dev: torch.device, m: int) -> list:
     """The CTA shapes compared at m rows: at one row the engine's (32 warps x 4 loads) first, the same with plain
-    launches, and others; above one row, the engine's first and others, each taking m rows whether or not the
-    engine's GEMV does."""
+    launches, and others; above one row, the engine's first and others on the CUDA cores, each taking m rows
+    whether or not the engine's GEMV does, then the tensor-core candidate (gemv_mma.cu) in three shapes."""
     from pagedserve.model.cuda_gemv import CudaGemv
 
     if m == 1:
@@ -233,7 +278,7 @@ def cuda_variants(dev: torch.device, m: int) -> list:
         g = CudaGemv(dev)
         g.ROW_WARPS, g.ROW_UNROLL, g.ROWS = warps, unroll, (1, m)
         variants.append(g)
-    return variants
+    return variants + [tensor_core_gemv()(dev, m, warps, unroll) for warps, unroll in ((16, 4), (32, 2), (8, 4))]
 
 
 def cuda_report(row_counts: list[int]) -> None:
@@ -266,8 +311,8 @@ def cuda_report(row_counts: list[int]) -> None:
             print(" | ".join(line))
         ms, nbytes = step_graph(m, lambda name, x, w: F.linear(x, w), weights, head)
         print(f"step's projections at {m} rows, cuBLAS: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
-        for g in variants:
-            ms, nbytes = step_graph(m, lambda name, x, w: g(x, w), weights, head)
+        for g in variants:  # shapes a variant does not take (x too large for shared memory) on cuBLAS
+            ms, nbytes = step_graph(m, lambda name, x, w: g(x, w) if g.takes(x, w) else F.linear(x, w), weights, head)
             print(f"step's projections at {m} rows, CUDA GEMV {label(g, m)}: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
 
 
