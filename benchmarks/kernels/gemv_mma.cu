@@ -1,7 +1,7 @@
 // A candidate for decode steps of 4-16 sequences, not yet in the engine: pagedserve's GEMV (model/gemv.cu) on
 // the tensor cores. Compiled after model/gemv.cu's text, whose macros (K, WARPS, UNROLL, ROWS, NORM, SILU_MUL)
-// and helpers (stream_load, stage_x, to_bf16) it uses; benchmarks/kernels/gemv.py --cuda --rows 4,8,16 times it
-// against cuBLAS and the engine's CUDA-core GEMV and checks it against an fp32 product.
+// and helpers (stream_load, wait_and_stage_x, to_bf16) it uses; `python -m benchmarks.kernels.gemv --cuda
+// --rows 4,8,16` times it against cuBLAS and the engine's CUDA-core GEMV and checks it against an fp32 product.
 __device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -41,14 +41,7 @@ extern "C" __global__ void BOUNDS gemv_bf16_mma(const uint4* __restrict__ W, con
             next[1][u] = stream_load(p + 8 * PIECES);
         }
     }
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's output (x) is complete
-#endif
-    stage_x(xs, X, R, NW, ROut, eps);
-    __syncthreads();
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
+    wait_and_stage_x(xs, X, R, NW, ROut, eps);
     float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;

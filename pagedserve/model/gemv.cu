@@ -159,6 +159,20 @@ __device__ __forceinline__ void stage_x(uint4* xs, const uint4* X, const uint4* 
 #endif
 }
 
+// After the first W loads are in flight: wait for the kernel before (its output is x), stage x, then let the
+// next kernel launch, as programmatic dependent launch allows on sm_90+.
+__device__ __forceinline__ void wait_and_stage_x(uint4* xs, const uint4* X, const uint4* R, const uint4* NW,
+                                                 uint4* ROut, double eps) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's output (x) is complete
+#endif
+    stage_x(xs, X, R, NW, ROut, eps);
+    __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // X, Y, R, ROut: ROWS rows each, row-major; R, NW, ROut, eps: the residual, norm weight, residual out and
 // epsilon of NORM (unused otherwise).
 extern "C" __global__ void BOUNDS gemv_bf16(const uint4* __restrict__ W, const uint4* __restrict__ X,
@@ -191,14 +205,7 @@ extern "C" __global__ void BOUNDS gemv_bf16(const uint4* __restrict__ W, const u
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) next[u] = stream_load(chunk_at(W, lrow, lstep, lane) + u * 32);
     }
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's output (x) is complete
-#endif
-    stage_x(xs, X, R, NW, ROut, eps);
-    __syncthreads();
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
+    wait_and_stage_x(xs, X, R, NW, ROut, eps);
 #if STAGED
     asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies have landed
     int chunk = 0;
