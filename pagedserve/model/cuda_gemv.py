@@ -72,7 +72,7 @@ class CudaGemv:
 
     @staticmethod
     def unsupported(device: torch.device) -> str | None:
-        """Why one-row projections stay on cuBLAS on this device (None: the GEMV can take them)."""
+        """Why projections of one or two rows stay on cuBLAS on this device (None: the GEMV can take them)."""
         if device.type != "cuda":
             return "not a CUDA device"
         if not CudaGemv.ENABLED:
@@ -88,12 +88,12 @@ class CudaGemv:
             gemv = cls(device)
             try:
                 gemv._kernel(4096, 4096)  # compiles once here, so a failing NVRTC shows at start-up
-                logger.info("one-row projections: CUDA GEMV, up to %d warps a multiprocessor%s", gemv.warps,
+                logger.info("projections of 1-2 rows: CUDA GEMV, up to %d warps a multiprocessor%s", gemv.warps,
                             ", programmatic dependent launch" if gemv.pdl else "")
                 return gemv
             except Exception as e:  # NVRTC missing or refusing: cuBLAS serves every projection
                 reason = f"NVRTC failed: {e}"
-        logger.info("one-row projections: cuBLAS (CUDA GEMV unused: %s)", reason)
+        logger.info("projections of 1-2 rows: cuBLAS (CUDA GEMV unused: %s)", reason)
         return None
 
     def unroll_for(self, k: int, rows: int = 1) -> int:
