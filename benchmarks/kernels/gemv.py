@@ -257,8 +257,11 @@ def tensor_core_gemv():
                     kernel = torch.cuda._compile_kernel(source, "gemv_bf16_mma", nvcc_options=options)
                     torch.cuda._utils._check_cuda(self._libcuda.cuFuncSetAttribute(
                         kernel.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared(k)))
-                self._kernels[key] = kernel, self.mma_warps, self.shared(k), 16  # a CTA takes 16 weight rows
+                self._kernels[key] = kernel, self.mma_warps, self.shared(k)
             return self._kernels[key]
+
+        def rows_a_cta(self, warps):  # a tile of 16 rows, its reduction split over the warps
+            return 16
 
     return TensorCoreGemv
 

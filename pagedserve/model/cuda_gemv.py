@@ -196,10 +196,14 @@ class CudaGemv:
         self._launch(kernel, weight, x, out, residual if residual is not None else x, norm_weight, new_residual, eps)
         return out, new_residual
 
+    def rows_a_cta(self, warps: int) -> int:
+        """Weight rows a CTA of ``warps`` warps takes at a time (a warp owns whole rows): its grid's size."""
+        return warps
+
     def _launch(self, variant, weight, x, out, residual, norm_weight, new_residual, eps: float) -> None:
         kernel, warps, shared = variant
         n = weight.shape[0]
-        grid, block = min(self.sms, -(-n // warps)), 32 * warps
+        grid, block = min(self.sms, -(-n // self.rows_a_cta(warps))), 32 * warps
         # torch's launcher takes no launch attributes: the kernel's parameters go through cuLaunchKernelEx
         values = [ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                   ctypes.c_int(n), ctypes.c_void_p(residual.data_ptr()), ctypes.c_void_p(norm_weight.data_ptr()),
