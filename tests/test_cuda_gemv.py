@@ -174,3 +174,43 @@ def test_o_proj_stages_only_after_an_attention_that_releases_it_early(monkeypatc
         monkeypatch.setattr(attn, "backend", Backend(early))
         attn(torch.zeros(1, dtype=torch.long), torch.zeros((1, 1)), None, None)
     assert calls == [True, False]
+
+
+def test_the_tensor_core_candidate_launches_a_cta_per_tile(monkeypatch):
+    """benchmarks/kernels/gemv.py's candidate for 4-16 rows (gemv_mma.cu) goes through the engine's launcher: a
+    CTA per 16-row weight tile (at most one an SM), x and its warps' sums of a tile in dynamic shared memory,
+    and only weights of whole tiles whose rows split over its warps."""
+    from benchmarks.kernels.gemv import tensor_core_gemv
+
+    launches, compiled = [], []
+
+    class Kernel:
+        func = None
+
+    class Driver:
+        def cuFuncSetAttribute(self, func, attr, value):
+            return 0
+
+        def cuLaunchKernelEx(self, config, func, params, extra):
+            c = config._obj
+            launches.append((c.grid[0], c.block[0], c.shared_mem))
+            return 0
+
+    class Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda source, name, nvcc_options: compiled.append(
+        (name, nvcc_options)) or Kernel(), raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda._utils, "_check_cuda", lambda result: None)
+    g = tensor_core_gemv()(CPU, 8, 16, 4)
+    g._libcuda = Driver()
+    x, w = torch.zeros((8, 4096), dtype=torch.bfloat16), torch.zeros((1024, 4096), dtype=torch.bfloat16)
+    assert g.takes(x, w) and not g.takes(x[:4], w) and not g.takes(x, w[:1000])
+    assert not g.takes(torch.zeros((8, 768), dtype=torch.bfloat16), torch.zeros((1024, 768), dtype=torch.bfloat16))
+    assert g(x, w).shape == (8, 1024)
+    assert launches[-1] == (64, 512, 8 * 4096 * 2 + 2 * 16 * 128 * 4)  # 1,024 rows: 64 tiles, 16 warps
+    g(x, torch.zeros((6144, 4096), dtype=torch.bfloat16))
+    assert launches[-1][0] == 132  # 384 tiles: a CTA an SM, each taking tiles in turn
+    assert compiled[-1][0] == "gemv_bf16_mma" and "-DROWS=8" in compiled[-1][1]
