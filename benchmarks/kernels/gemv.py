@@ -228,36 +228,28 @@ def label(g, m: int = 1) -> str:
 def tensor_core_gemv():
     """The candidate of gemv_mma.cu as a CudaGemv: the engine's staging of x and launcher, the tensor-core kernel
     for one row count. (A function, so that importing this module needs no CUDA build of pagedserve's GEMV.)"""
-    from pagedserve.model.cuda_gemv import _MAX_DYNAMIC_SHARED_SIZE_BYTES, _SOURCE, CudaGemv
+    from pagedserve.model.cuda_gemv import _SOURCE, CudaGemv
 
     class TensorCoreGemv(CudaGemv):
         def __init__(self, device: torch.device, rows: int, warps: int, unroll: int):
             super().__init__(device)
-            self.rows, self.mma_warps, self.mma_unroll = rows, warps, unroll
+            self.ROWS, self.mma_warps, self.mma_unroll = (rows,), warps, unroll
 
-        def shared(self, k: int) -> int:  # x, then the warps' sums of a tile in two buffers
-            return self.rows * k * 2 + 2 * self.mma_warps * -(-self.rows // 8) * 128 * 4
+        def x_shared(self, rows, k):  # x, then the warps' sums of a tile in two buffers
+            return rows * k * 2 + 2 * self.mma_warps * -(-rows // 8) * 128 * 4
 
-        def takes(self, x, weight, silu_mul=False):
+        def takes(self, x, weight, silu_mul=False):  # whole 16-row tiles whose rows split over the warps
             n, k = weight.shape
-            return (x.shape == (self.rows, k * (2 if silu_mul else 1)) and self.takes_weight(weight, x.dtype)
-                    and n % 16 == 0 and k % (32 * self.mma_warps) == 0 and self.shared(k) <= self.max_shared)
+            return super().takes(x, weight, silu_mul) and n % 16 == 0 and k % (32 * self.mma_warps) == 0
 
         def _kernel(self, n, k, rows=1, silu_mul=False, norm=False, residual=False, staged=False):
             key = (k, silu_mul, norm, residual)
             if key not in self._kernels:
-                unroll = self.mma_unroll
-                while unroll > 1 and (k // 8) % (4 * self.mma_warps * unroll):
-                    unroll //= 2
-                options = ["-std=c++17", f"-DK={k}", f"-DWARPS={self.mma_warps}", f"-DUNROLL={unroll}",
-                           f"-DROWS={self.rows}", f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}",
-                           f"-DHAS_RESIDUAL={int(residual)}"]
+                unroll = self._halved(self.mma_unroll, k, 4 * self.mma_warps)
+                options = self._options(k, self.mma_warps, unroll, rows, silu_mul, norm, residual)
+                shared = self.x_shared(rows, k)
                 source = _SOURCE.read_text() + MMA_SOURCE.read_text()
-                with torch.cuda.device(self.device):
-                    kernel = torch.cuda._compile_kernel(source, "gemv_bf16_mma", nvcc_options=options)
-                    torch.cuda._utils._check_cuda(self._libcuda.cuFuncSetAttribute(
-                        kernel.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared(k)))
-                self._kernels[key] = kernel, self.mma_warps, self.shared(k)
+                self._kernels[key] = self._compile(source, "gemv_bf16_mma", options, shared), self.mma_warps, shared
             return self._kernels[key]
 
         def rows_a_cta(self, warps):  # a tile of 16 rows, its reduction split over the warps

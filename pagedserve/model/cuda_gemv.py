@@ -99,10 +99,18 @@ class CudaGemv:
     def unroll_for(self, k: int, rows: int = 1) -> int:
         """Loads in flight a lane: ``unroll`` (``ROW_UNROLL`` above one row), halved until a row splits into
         whole steps of 32 lanes."""
-        u = self.unroll if rows == 1 else self.ROW_UNROLL
-        while u > 1 and (k // 8) % (32 * u):
-            u //= 2
-        return u
+        return self._halved(self.unroll if rows == 1 else self.ROW_UNROLL, k, 32)
+
+    @staticmethod
+    def _halved(unroll: int, k: int, lanes: int) -> int:
+        """``unroll`` halved until a row of k values splits into whole steps of ``lanes`` lanes' 16-byte loads."""
+        while unroll > 1 and (k // 8) % (lanes * unroll):
+            unroll //= 2
+        return unroll
+
+    def x_shared(self, rows: int, k: int) -> int:
+        """Bytes of dynamic shared memory ``rows`` rows of x take (one row's sit in a static array)."""
+        return 0 if rows == 1 else rows * k * 2
 
     def warps_for(self, n: int) -> int:
         """Warps a CTA for n rows: of 32, 28, ... 16 (up to ``warps``), the count whose rows fall most evenly
@@ -140,20 +148,29 @@ class CudaGemv:
         key = (warps, k, rows, silu_mul, norm, residual, chunks)
         if key not in self._kernels:
             unroll = self.unroll_for(k, rows)
-            options = ["-std=c++17", f"-DK={k}", f"-DWARPS={warps}", f"-DUNROLL={unroll}", f"-DROWS={rows}",
-                       f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}", f"-DHAS_RESIDUAL={int(residual)}"]
+            options = self._options(k, warps, unroll, rows, silu_mul, norm, residual)
             if chunks:
                 options += [f"-DSTAGED={chunks}", "-DMIN_CTAS=2"]
-            with torch.cuda.device(self.device):
-                kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), "gemv_bf16", nvcc_options=options)
-                # dynamic shared memory: the staged weights of one row, or x itself above one row
-                shared = chunks * warps * unroll * 32 * 16 if rows == 1 else rows * k * 2
-                if shared:  # above 48 KB of dynamic shared memory a kernel must opt in
-                    for attr, value in ((_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
-                                        (_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):  # L1 all shared memory
-                        torch.cuda._utils._check_cuda(self._libcuda.cuFuncSetAttribute(kernel.func, attr, value))
-            self._kernels[key] = kernel, warps, shared
+            # dynamic shared memory: the staged weights of one row, or x itself above one row
+            shared = chunks * warps * unroll * 32 * 16 if rows == 1 else self.x_shared(rows, k)
+            self._kernels[key] = self._compile(_SOURCE.read_text(), "gemv_bf16", options, shared), warps, shared
         return self._kernels[key]
+
+    @staticmethod
+    def _options(k: int, warps: int, unroll: int, rows: int, silu_mul: bool, norm: bool, residual: bool) -> list[str]:
+        """NVRTC options of a variant: its shape and what x is staged as."""
+        return ["-std=c++17", f"-DK={k}", f"-DWARPS={warps}", f"-DUNROLL={unroll}", f"-DROWS={rows}",
+                f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}", f"-DHAS_RESIDUAL={int(residual)}"]
+
+    def _compile(self, source: str, name: str, options: list[str], shared: int):
+        """Kernel ``name`` of ``source``, opted in to ``shared`` bytes of dynamic shared memory."""
+        with torch.cuda.device(self.device):
+            kernel = torch.cuda._compile_kernel(source, name, nvcc_options=options)
+            if shared:  # above 48 KB of dynamic shared memory a kernel must opt in
+                for attr, value in ((_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
+                                    (_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):  # L1 all shared memory
+                    torch.cuda._utils._check_cuda(self._libcuda.cuFuncSetAttribute(kernel.func, attr, value))
+        return kernel
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
         """``ROWS`` contiguous bf16 rows against a contiguous bf16 weight of rows a multiple of 256 values that
@@ -161,7 +178,7 @@ class CudaGemv:
         k = weight.shape[1]
         return (x.dim() == 2 and x.shape[0] in self.ROWS and x.shape[1] == k * (2 if silu_mul else 1)
                 and x.is_contiguous() and x.data_ptr() % 16 == 0 and self.takes_weight(weight, x.dtype)
-                and (x.shape[0] == 1 or x.shape[0] * k * 2 <= self.max_shared))
+                and self.x_shared(x.shape[0], k) <= self.max_shared)
 
     @staticmethod
     def takes_weight(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
