@@ -16,6 +16,7 @@ python -m benchmarks.kernels.gemv --cuda [--rows 1,2,4,8,16]   # the model's CUD
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from benchmarks.args import positives
 from benchmarks.kernels.harness import graph_ms, kernel_ms, per_call_us
 
 
@@ -314,10 +316,14 @@ def cuda_report(row_counts: list[int]) -> None:
 def main() -> None:
     global USE_PDL
     quick = "--quick" in sys.argv
+    rows = sys.argv[sys.argv.index("--rows") + 1] if "--rows" in sys.argv[:-1] else "1"
+    try:
+        row_counts = positives(rows)
+    except argparse.ArgumentTypeError as e:
+        sys.exit(f"--rows: {e}")
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if "--cuda" in sys.argv:
-        rows = sys.argv[sys.argv.index("--rows") + 1] if "--rows" in sys.argv else "1"
-        cuda_report([int(m) for m in rows.split(",")])
+        cuda_report(row_counts)
         return
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
