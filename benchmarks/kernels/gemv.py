@@ -10,17 +10,15 @@ alternative to re-run on a newer Triton or GPU.
 
 python -m benchmarks.kernels.gemv [--quick] [--no-sweep]
 python -m benchmarks.kernels.gemv --cuda [--rows 1,2,4,8,16]   # the model's CUDA GEMV (model/gemv.cu) against
-    cuBLAS instead, at each row count of x (the engine's GEMV takes 1 and 2; more rows run here all the same),
-    and above one row a candidate on the tensor cores (gemv_mma.cu)
+    cuBLAS instead, at each row count of x (the engine's GEMV takes 1, 2, 4, 8 and 16; others run here all the
+    same), above one row on the CUDA cores and on the tensor cores
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +109,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
 LAYERS = 36
-MMA_SOURCE = Path(__file__).with_name("gemv_mma.cu")
 
 
 @triton.jit
@@ -219,51 +216,17 @@ def step_graph(m: int, fn, weights, head) -> tuple[float, int]:
 
 
 def label(g, m: int = 1) -> str:
-    if isinstance(g, tensor_core_gemv()):
-        return f"mma {g.mma_warps}w/u{g.mma_unroll}"
+    if m in g.MMA_ROWS:
+        return f"mma {g.MMA_WARPS}w/u{g.MMA_UNROLL}"
     if m > 1:
         return f"{g.ROW_WARPS}w/u{g.ROW_UNROLL}"
     return f"{g.warps}w/u{g.unroll}{'' if g.pdl else ' no PDL'}"
 
 
-@functools.cache
-def tensor_core_gemv():
-    """The candidate of gemv_mma.cu as a CudaGemv: the engine's staging of x and launcher, the tensor-core kernel
-    for one row count. (A function, so that importing this module needs no CUDA build of pagedserve's GEMV.)"""
-    from pagedserve.model.cuda_gemv import _SOURCE, CudaGemv
-
-    class TensorCoreGemv(CudaGemv):
-        def __init__(self, device: torch.device, rows: int, warps: int, unroll: int):
-            super().__init__(device)
-            self.ROWS, self.mma_warps, self.mma_unroll = (rows,), warps, unroll
-
-        def x_shared(self, rows, k):  # x, then the warps' sums of a tile in two buffers
-            return rows * k * 2 + 2 * self.mma_warps * -(-rows // 8) * 128 * 4
-
-        def takes(self, x, weight, silu_mul=False):  # whole 16-row tiles whose rows split over the warps
-            n, k = weight.shape
-            return super().takes(x, weight, silu_mul) and n % 16 == 0 and k % (32 * self.mma_warps) == 0
-
-        def _kernel(self, n, k, rows=1, silu_mul=False, norm=False, residual=False, staged=False):
-            key = (k, silu_mul, norm, residual)
-            if key not in self._kernels:
-                unroll = self._halved(self.mma_unroll, k, 4 * self.mma_warps)
-                options = self._options(k, self.mma_warps, unroll, rows, silu_mul, norm, residual)
-                shared = self.x_shared(rows, k)
-                source = _SOURCE.read_text() + MMA_SOURCE.read_text()
-                self._kernels[key] = self._compile(source, "gemv_bf16_mma", options, shared), self.mma_warps, shared
-            return self._kernels[key]
-
-        def rows_a_cta(self, warps):  # a tile of 16 rows, its reduction split over the warps
-            return 16
-
-    return TensorCoreGemv
-
-
 def cuda_variants(dev: torch.device, m: int) -> list:
     """The CTA shapes compared at m rows: at one row the engine's (32 warps x 4 loads) first, the same with plain
-    launches, and others; above one row, the engine's first and others on the CUDA cores, each taking m rows
-    whether or not the engine's GEMV does, then the tensor-core candidate (gemv_mma.cu) in three shapes."""
+    launches, and others; above one row, the kernel on the CUDA cores in the engine's shape and others, then on the
+    tensor cores in the engine's shape and others, each taking m rows whether or not the engine's GEMV does."""
     from pagedserve.model.cuda_gemv import CudaGemv
 
     if m == 1:
@@ -273,9 +236,13 @@ def cuda_variants(dev: torch.device, m: int) -> list:
     variants = []
     for warps, unroll in ((CudaGemv.ROW_WARPS, CudaGemv.ROW_UNROLL), (16, 8), (24, 4), (16, 4)):
         g = CudaGemv(dev)
-        g.ROW_WARPS, g.ROW_UNROLL, g.ROWS = warps, unroll, (1, m)
+        g.ROW_WARPS, g.ROW_UNROLL, g.ROWS, g.MMA_ROWS = warps, unroll, (1, m), ()
         variants.append(g)
-    return variants + [tensor_core_gemv()(dev, m, warps, unroll) for warps, unroll in ((16, 4), (32, 2), (8, 4))]
+    for warps, unroll in ((CudaGemv.MMA_WARPS, CudaGemv.MMA_UNROLL), (32, 2), (8, 4), (16, 2)):
+        g = CudaGemv(dev)
+        g.MMA_WARPS, g.MMA_UNROLL, g.ROWS, g.MMA_ROWS = warps, unroll, (1,), (m,)
+        variants.append(g)
+    return variants
 
 
 def cuda_report(row_counts: list[int]) -> None:
