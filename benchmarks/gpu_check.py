@@ -58,8 +58,7 @@ def main() -> None:
     prompts = [list(range(10 + i, 60 + 7 * i)) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     agreement("bf16, one request at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params), params)
-    for m in (2, 4, 8, 16):  # decodes on the CUDA cores (two rows) and the tensor cores
-        agreement(f"bf16, {m} requests at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params, m), params)
+    agreement("bf16, two requests at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params, 2), params)
     # rows with presence/frequency penalties, a repetition penalty, a logit bias (the newest token the
     # penalties count is taken on the device from the step in flight)
     penalized = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
@@ -154,14 +153,11 @@ def check_gemv() -> None:
         ok = err < 1e-2 and torch.equal(res, want_res)
         print(f"CUDA GEMV with RMSNorm{' + residual' if has_res else ''} [{n} x {k}]: rel err {err:.2e}, "
               f"residual {'equal' if torch.equal(res, want_res) else 'DIFFERS'} {'OK' if ok else 'FAIL'}")
-    for m in (r for r in CudaGemv.ROWS + CudaGemv.MMA_ROWS if r > 1):  # decodes of a few sequences: each row
+    for m in (r for r in CudaGemv.ROWS if r > 1):  # decode steps of a few sequences: every row against its own
         for n, k, kind in ((6144, 4096, "norm"), (4096, 4096, ""), (4096, 12288, "silu-mul"), (151936, 4096, ""),
-                           (2048, 1024, "norm"), (1024, 3072, "silu-mul")):
+                           (2048, 1024, "norm")):
             w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
             x = torch.randn((m, 2 * k if kind == "silu-mul" else k), device=dev, dtype=torch.bfloat16)
-            if not gemv.takes(x, w, silu_mul=kind == "silu-mul"):
-                print(f"CUDA GEMV {m} rows [{n} x {k}] {kind}: on cuBLAS (x does not fit shared memory)")
-                continue
             same = True
             if kind == "norm":
                 r, nw = torch.randn_like(x), (torch.rand(k, device=dev) + 0.5).to(torch.bfloat16)

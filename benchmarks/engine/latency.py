@@ -30,7 +30,7 @@ from pagedserve.model.cuda_gemv import CudaGemv
 from pagedserve.model.layers import use_gemv
 
 WARP_CHOICES = CudaGemv.WARP_CHOICES  # the engine's, restored by settings without -fixed
-ROWS, MMA_ROWS = CudaGemv.ROWS, CudaGemv.MMA_ROWS  # ... and without -rows1 / -nomma
+ROWS = CudaGemv.ROWS  # ... and without -rows1
 
 
 def main() -> None:
@@ -41,11 +41,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gemv", default="", help="comma-separated kernels for the projections of decode steps of up to "
-                    "16 sequences: cublas, or cuda with -unfused (norms as kernels of their own) and/or -nopdl (plain "
-                    "launches), -fixed (WARPS for every shape), -rows1 (one sequence's steps alone; more on cuBLAS), "
-                    "-nomma (4-16 sequences' steps on cuBLAS) and :WARPSxUNROLL to measure one after another, decode "
-                    "graphs captured again for each")
+    ap.add_argument("--gemv", default="", help="comma-separated kernels for the projections of decode steps of one or "
+                    "two sequences: cublas, or cuda with -unfused (norms as kernels of their own) and/or -nopdl (plain "
+                    "launches), -fixed (WARPS for every shape), -rows1 (one sequence's steps alone; more on cuBLAS) "
+                    "and :WARPSxUNROLL to measure one after another, decode graphs captured again for each")
     ap.add_argument("--decode-segments", default="",
                     help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")
     ap.add_argument("--fused-decode", type=on_off, help="comma-separated on/off: decode-only steps' attention in "
@@ -105,7 +104,6 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
         CudaGemv.FUSE_NORM, CudaGemv.PDL = "unfused" not in gemv, "nopdl" not in gemv
         CudaGemv.WARP_CHOICES = () if "fixed" in gemv else WARP_CHOICES
         CudaGemv.ROWS = (1,) if "rows1" in gemv else ROWS
-        CudaGemv.MMA_ROWS = () if "rows1" in gemv or "nomma" in gemv else MMA_ROWS
         if ":" in gemv:  # cuda:WARPSxUNROLL
             CudaGemv.WARPS, CudaGemv.UNROLL = map(int, gemv.split(":")[1].split("x"))
         use_gemv(runner.model, CudaGemv.build(runner.device) if gemv.startswith("cuda") else None)

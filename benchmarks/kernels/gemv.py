@@ -10,8 +10,7 @@ alternative to re-run on a newer Triton or GPU.
 
 python -m benchmarks.kernels.gemv [--quick] [--no-sweep]
 python -m benchmarks.kernels.gemv --cuda [--rows 1,2,4,8,16]   # the model's CUDA GEMV (model/gemv.cu) against
-    cuBLAS instead, at each row count of x (the engine's GEMV takes 1, 2, 4, 8 and 16; others run here all the
-    same), above one row on the CUDA cores and on the tensor cores
+    cuBLAS instead, at each row count of x (the engine's GEMV takes 1 and 2; more rows run here all the same)
 """
 
 from __future__ import annotations
@@ -216,8 +215,6 @@ def step_graph(m: int, fn, weights, head) -> tuple[float, int]:
 
 
 def label(g, m: int = 1) -> str:
-    if m in g.MMA_ROWS:
-        return f"mma {g.MMA_WARPS}w/u{g.MMA_UNROLL}"
     if m > 1:
         return f"{g.ROW_WARPS}w/u{g.ROW_UNROLL}"
     return f"{g.warps}w/u{g.unroll}{'' if g.pdl else ' no PDL'}"
@@ -225,8 +222,8 @@ def label(g, m: int = 1) -> str:
 
 def cuda_variants(dev: torch.device, m: int) -> list:
     """The CTA shapes compared at m rows: at one row the engine's (32 warps x 4 loads) first, the same with plain
-    launches, and others; above one row, the kernel on the CUDA cores in the engine's shape and others, then on the
-    tensor cores in the engine's shape and others, each taking m rows whether or not the engine's GEMV does."""
+    launches, and others; above one row the engine's first and others, each taking m rows whether or not the
+    engine's GEMV does."""
     from pagedserve.model.cuda_gemv import CudaGemv
 
     if m == 1:
@@ -236,11 +233,7 @@ def cuda_variants(dev: torch.device, m: int) -> list:
     variants = []
     for warps, unroll in ((CudaGemv.ROW_WARPS, CudaGemv.ROW_UNROLL), (16, 8), (24, 4), (16, 4)):
         g = CudaGemv(dev)
-        g.ROW_WARPS, g.ROW_UNROLL, g.ROWS, g.MMA_ROWS = warps, unroll, (1, m), ()
-        variants.append(g)
-    for warps, unroll in ((CudaGemv.MMA_WARPS, CudaGemv.MMA_UNROLL), (32, 2), (8, 4), (16, 2)):
-        g = CudaGemv(dev)
-        g.MMA_WARPS, g.MMA_UNROLL, g.ROWS, g.MMA_ROWS = warps, unroll, (1,), (m,)
+        g.ROW_WARPS, g.ROW_UNROLL, g.ROWS = warps, unroll, (1, m)
         variants.append(g)
     return variants
 

@@ -1,14 +1,13 @@
-"""bf16 projections of up to 16 rows as a hand-written CUDA GEMV (gemv.cu), compiled once per reduction
-length and row count with NVRTC through torch. A decode step of a few sequences is ~145 such projections
-whose weights are the whole cost; cuBLAS's kernels for so few rows leave SMs idle, add a split-K reduce
-kernel, or read the weights at a lower rate. Larger batches and every other shape keep cuBLAS
-(``F.linear``)."""
+"""bf16 projections of one or two rows as a hand-written CUDA GEMV (gemv.cu), compiled once per reduction
+length and row count with NVRTC through torch. A decode step of one or two sequences is ~145 such
+projections whose weights are the whole cost; cuBLAS's kernels for so few rows leave SMs idle, add a
+split-K reduce kernel, or read the weights at a lower rate. Larger batches and every other shape keep
+cuBLAS (``F.linear``)."""
 from __future__ import annotations
 
 import ctypes
 import logging
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +30,6 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-class _Variant(NamedTuple):
-    kernel: object
-    warps: int  # a CTA's
-    shared: int  # bytes of dynamic shared memory
-    tile: int  # weight rows a CTA takes at a time (its grid: one CTA a tile, at most one an SM)
-
-
 class CudaGemv:
     """The compiled variants (by warps a CTA, reduction length, and what x is staged as: silu(gate) * up,
     or RMSNorm with or without a residual) and their launcher."""
@@ -50,16 +42,12 @@ class CudaGemv:
     WARPS = 32
     WARP_CHOICES = (32, 28, 24, 20, 16)  # warps a CTA ``warps_for`` picks from (up to ``warps``)
     UNROLL = 4
-    # rows of x the CUDA-core kernel takes: the decode graphs of one and two sequences (at four rows it
-    # measured no faster than cuBLAS, at eight far slower: a lane's shared-memory reads and conversions grow
-    # with the rows, its weight loads do not). Above one row, 32 warps x 4 loads for every shape (fewer warps
-    # measured slower there)
+    # rows of x a variant takes: the decode graphs of one and two sequences (other counts go to cuBLAS; at
+    # four rows the kernel measured no faster than cuBLAS, at eight far slower: a lane's shared-memory reads
+    # and conversions grow with the rows, its weight loads do not). Above one row, 32 warps x 4 loads for
+    # every shape (fewer warps measured slower there)
     ROWS = (1, 2)
     ROW_WARPS, ROW_UNROLL = 32, 4
-    # rows the tensor-core kernel takes (the next decode graphs; other counts go to cuBLAS): a CTA of
-    # MMA_WARPS warps per 16-row weight tile, MMA_UNROLL 16-byte loads of each of two rows a lane in flight
-    MMA_ROWS = (4, 8, 16)
-    MMA_WARPS, MMA_UNROLL = 16, 4
     # the projection after attention (``staged``): its weights start copying into shared memory while the
     # attention kernel runs beside it; half the registers (16 warps at <= 64 a thread) and 160 KB of shared
     # memory a CTA leave room for one attention CTA on the same multiprocessor, and none for a second
@@ -75,7 +63,7 @@ class CudaGemv:
         # the shared memory a CTA may opt in to: x's rows are staged there (an H100's or H200's off the GPU)
         self.max_shared = (torch.cuda.get_device_properties(device).shared_memory_per_block_optin
                            if device.type == "cuda" else 227 * 1024)
-        self._kernels: dict[tuple[int, int, int, bool, bool, bool, int], _Variant] = {}
+        self._kernels: dict[tuple[int, int, int, bool, bool, bool, int], tuple[object, int, int]] = {}
         # programmatic dependent launch where the device has it (griddepcontrol: sm_90+)
         self.pdl = self.PDL and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
         self._libcuda = torch.cuda._utils._get_gpu_runtime_library() if device.type == "cuda" else None
@@ -84,7 +72,7 @@ class CudaGemv:
 
     @staticmethod
     def unsupported(device: torch.device) -> str | None:
-        """Why projections of a few rows stay on cuBLAS on this device (None: the GEMV can take them)."""
+        """Why projections of one or two rows stay on cuBLAS on this device (None: the GEMV can take them)."""
         if device.type != "cuda":
             return "not a CUDA device"
         if not CudaGemv.ENABLED:
@@ -95,25 +83,22 @@ class CudaGemv:
 
     @classmethod
     def build(cls, device: torch.device) -> CudaGemv | None:
-        reason, rows = cls.unsupported(device), ", ".join(map(str, cls.ROWS + cls.MMA_ROWS))
+        reason = cls.unsupported(device)
         if reason is None:
             gemv = cls(device)
             try:
                 gemv._kernel(4096, 4096)  # compiles once here, so a failing NVRTC shows at start-up
-                logger.info("projections of %s rows: CUDA GEMV, up to %d warps a multiprocessor%s", rows, gemv.warps,
+                logger.info("projections of 1-2 rows: CUDA GEMV, up to %d warps a multiprocessor%s", gemv.warps,
                             ", programmatic dependent launch" if gemv.pdl else "")
                 return gemv
             except Exception as e:  # NVRTC missing or refusing: cuBLAS serves every projection
                 reason = f"NVRTC failed: {e}"
-        logger.info("projections of %s rows: cuBLAS (CUDA GEMV unused: %s)", rows, reason)
+        logger.info("projections of 1-2 rows: cuBLAS (CUDA GEMV unused: %s)", reason)
         return None
 
     def unroll_for(self, k: int, rows: int = 1) -> int:
         """Loads in flight a lane: ``unroll`` (``ROW_UNROLL`` above one row), halved until a row splits into
-        whole steps of 32 lanes (on the tensor cores: ``MMA_UNROLL``, until each warp's share of a row splits
-        into whole steps of 4 lanes)."""
-        if rows in self.MMA_ROWS:
-            return self._halved(self.MMA_UNROLL, k, 4 * self.MMA_WARPS)
+        whole steps of 32 lanes."""
         return self._halved(self.unroll if rows == 1 else self.ROW_UNROLL, k, 32)
 
     @staticmethod
@@ -124,10 +109,7 @@ class CudaGemv:
         return unroll
 
     def x_shared(self, rows: int, k: int) -> int:
-        """Bytes of dynamic shared memory of a variant for ``rows`` rows of x: x's rows (one row's sit in a static
-        array), then on the tensor cores the warps' sums of a tile, in two buffers."""
-        if rows in self.MMA_ROWS:
-            return rows * k * 2 + 2 * self.MMA_WARPS * -(-rows // 8) * 128 * 4
+        """Bytes of dynamic shared memory ``rows`` rows of x take (one row's sit in a static array)."""
         return 0 if rows == 1 else rows * k * 2
 
     def warps_for(self, n: int) -> int:
@@ -158,22 +140,20 @@ class CudaGemv:
         return self.takes_weight(weight, torch.bfloat16) and self._chunks_to_stage(*weight.shape) > 0
 
     def _kernel(self, n: int, k: int, rows: int = 1, silu_mul: bool = False, norm: bool = False,
-                residual: bool = False, staged: bool = False) -> _Variant:
-        """The compiled variant for an n x k weight and ``rows`` rows of x (``takes`` held)."""
-        chunks = self._chunks_to_stage(n, k) if staged and rows == 1 else 0
-        mma = rows in self.MMA_ROWS
-        warps = (self.STAGE_WARPS if chunks else self.warps_for(n) if rows == 1 else self.MMA_WARPS if mma
-                 else self.ROW_WARPS)
+                residual: bool = False, staged: bool = False) -> tuple[object, int, int]:
+        """(the compiled variant for an n x k weight and ``rows`` rows of x, its warps a CTA, its dynamic shared
+        memory in bytes)."""
+        chunks = self._chunks_to_stage(n, k) if staged and rows == 1 else 0  # (``takes`` held)
+        warps = self.STAGE_WARPS if chunks else self.warps_for(n) if rows == 1 else self.ROW_WARPS
         key = (warps, k, rows, silu_mul, norm, residual, chunks)
         if key not in self._kernels:
             unroll = self.unroll_for(k, rows)
-            options = self._options(k, warps, unroll, rows, silu_mul, norm, residual) + [f"-DTENSOR_CORES={int(mma)}"]
+            options = self._options(k, warps, unroll, rows, silu_mul, norm, residual)
             if chunks:
                 options += [f"-DSTAGED={chunks}", "-DMIN_CTAS=2"]
-            # dynamic shared memory: the staged weights of one row, or x itself (and the sums) above one row
+            # dynamic shared memory: the staged weights of one row, or x itself above one row
             shared = chunks * warps * unroll * 32 * 16 if rows == 1 else self.x_shared(rows, k)
-            kernel = self._compile(_SOURCE.read_text(), "gemv_bf16_mma" if mma else "gemv_bf16", options, shared)
-            self._kernels[key] = _Variant(kernel, warps, shared, 16 if mma else warps)
+            self._kernels[key] = self._compile(_SOURCE.read_text(), "gemv_bf16", options, shared), warps, shared
         return self._kernels[key]
 
     @staticmethod
@@ -193,15 +173,12 @@ class CudaGemv:
         return kernel
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
-        """``ROWS`` or ``MMA_ROWS`` contiguous bf16 rows against a contiguous bf16 weight of rows a multiple of
-        256 values that fit the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's
-        columns); on the tensor cores, whole 16-row tiles whose rows split over the warps in 4 lanes' loads."""
-        rows, (n, k) = x.shape[0], weight.shape
-        mma = rows in self.MMA_ROWS
-        return (x.dim() == 2 and (rows in self.ROWS or mma) and x.shape[1] == k * (2 if silu_mul else 1)
+        """``ROWS`` contiguous bf16 rows against a contiguous bf16 weight of rows a multiple of 256 values that
+        fit the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's columns)."""
+        k = weight.shape[1]
+        return (x.dim() == 2 and x.shape[0] in self.ROWS and x.shape[1] == k * (2 if silu_mul else 1)
                 and x.is_contiguous() and x.data_ptr() % 16 == 0 and self.takes_weight(weight, x.dtype)
-                and self.x_shared(rows, k) <= self.max_shared
-                and (not mma or (n % 16 == 0 and (k // 8) % (4 * self.MMA_WARPS) == 0)))
+                and self.x_shared(x.shape[0], k) <= self.max_shared)
 
     @staticmethod
     def takes_weight(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
@@ -236,10 +213,10 @@ class CudaGemv:
         self._launch(kernel, weight, x, out, residual if residual is not None else x, norm_weight, new_residual, eps)
         return out, new_residual
 
-    def _launch(self, variant: _Variant, weight, x, out, residual, norm_weight, new_residual, eps: float) -> None:
-        kernel, warps, shared, tile = variant
+    def _launch(self, variant, weight, x, out, residual, norm_weight, new_residual, eps: float) -> None:
+        kernel, warps, shared = variant
         n = weight.shape[0]
-        grid, block = min(self.sms, -(-n // tile)), 32 * warps
+        grid, block = min(self.sms, -(-n // warps)), 32 * warps
         # torch's launcher takes no launch attributes: the kernel's parameters go through cuLaunchKernelEx
         values = [ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                   ctypes.c_int(n), ctypes.c_void_p(residual.data_ptr()), ctypes.c_void_p(norm_weight.data_ptr()),

@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        """Each norm goes with the projection after it (one kernel for a step of a few rows on the GEMV)."""
+        """Each norm goes with the projection after it (one kernel for a step of one or two rows on the GEMV)."""
         qkv, residual = norm_project(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(positions, qkv, kv_cache, meta)
         gate_up, residual = norm_project(self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj)
