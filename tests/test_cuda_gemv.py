@@ -175,3 +175,25 @@ def test_o_proj_stages_only_after_an_attention_that_releases_it_early(monkeypatc
         attn(torch.zeros(1, dtype=torch.long), torch.zeros((1, 1)), None, None)
     assert calls == [True, False]
 
+
+
+def test_the_sass_check_lists_each_variant_once_and_finds_a_hoisted_wait():
+    """benchmarks/kernels/gemv_sass.py (run where CUDA's NVRTC and cuobjdump are installed): the variants it
+    compiles are the engine's own choices for the model's shapes, and it fails a variant whose wait for the
+    kernel before comes ahead of its first weight load."""
+    from benchmarks.kernels.gemv_sass import check, variants
+    from pagedserve.builtin.known_models import KNOWN_MODELS
+    from pagedserve.config import ModelConfig
+
+    found = variants(ModelConfig.from_hf_dict(KNOWN_MODELS["Qwen/Qwen3-8B"]))
+    macros = [dict(o[2:].split("=") for o in options if o.startswith("-D")) for _, options in found]
+    assert len(found) == len({(name, tuple(options)) for name, options in found})
+    assert {m["ROWS"] for m in macros} == {"1", "2"} and {m["K"] for m in macros} == {"4096", "12288"}
+    assert {m["WARPS"] for m in macros if m["ROWS"] == "1" and "STAGED" not in m} == {"24", "32"}  # per shape
+    assert [m["K"] for m in macros if "STAGED" in m] == ["4096"]  # o_proj of one sequence, beside attention
+    assert {(m["K"], m["ROWS"]) for m in macros if m["SILU_MUL"] == "1"} == {("12288", "1"), ("12288", "2")}
+    sass = "        /*{:04x}*/                   {} R1, [R2] ;\n"
+    good = "".join(sass.format(16 * i, op) for i, op in enumerate(["S2R", "LDG.E.128", "ACQBULK", "LDG.E", "FFMA"]))
+    hoisted = "".join(sass.format(16 * i, op) for i, op in enumerate(["S2R", "ACQBULK", "LDG.E.128", "LDG.E"]))
+    staged = "".join(sass.format(16 * i, op) for i, op in enumerate(["@!P0 LDGSTS.E.BYPASS.128", "ACQBULK"]))
+    assert check(good) == (True, 5) and check(hoisted) == (False, 4) and check(staged)[0]

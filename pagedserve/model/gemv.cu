@@ -17,7 +17,8 @@
 // Launched with programmatic dependent launch (sm_90+), a GEMV's CTAs start while the kernel before is
 // still running: they put their first W loads in flight, then wait (griddepcontrol.wait) for that kernel's
 // output before staging x, and let the next GEMV start as soon as x is staged. The weight stream of one
-// projection thus overlaps the tail of the previous one instead of starting after it.
+// projection thus overlaps the tail of the previous one instead of starting after it. ptxas may legally hoist
+// the wait above those loads, which undoes this: benchmarks/kernels/gemv_sass.py checks every variant's SASS.
 // STAGED: before the wait, each warp also copies its first STAGED chunks (a chunk: one step's UNROLL loads
 // of 32 lanes) into shared memory with cp.async, which holds no registers. Meant for the projection after
 // the attention kernel, whose CTAs leave room on the SMs and whose reads are few: o_proj's CTAs sit beside

@@ -1,0 +1,125 @@
+"""(CPU) The machine code of every CUDA GEMV variant a model's decode steps may compile, with no GPU: each variant
+of model/gemv.cu that CudaGemv builds for the model's projection shapes, compiled for sm_90 by NVRTC and
+disassembled by cuobjdump. It reports each variant's registers and spills, and fails where ptxas placed the
+programmatic dependent launch's wait (griddepcontrol.wait, ACQBULK in SASS) before the first weight load: the
+wait only acquires, so hoisting it is legal, and it silently turns off the weight stream a GEMV starts while the
+kernel before it finishes. Small edits to the staging of x have moved it; check here before timing on a GPU.
+
+pip install "nvidia-cuda-nvrtc>=13" nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm   # CUDA's, from PyPI
+python -m benchmarks.kernels.gemv_sass [--model Qwen/Qwen3-8B] [--arch sm_90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedserve.builtin.known_models import KNOWN_MODELS
+from pagedserve.config import ModelConfig
+from pagedserve.model.cuda_gemv import _SOURCE, CudaGemv
+
+
+def cuda_tools() -> tuple[ctypes.CDLL, Path]:
+    """NVRTC and cuobjdump from the nvidia-cuda-* wheels (namespace package ``nvidia``)."""
+    try:
+        import nvidia
+    except ImportError:
+        sys.exit("needs CUDA's NVRTC and cuobjdump: pip install 'nvidia-cuda-nvrtc>=13' nvidia-cuda-cuobjdump "
+                 "nvidia-cuda-nvdisasm")
+    roots = [Path(p) for p in nvidia.__path__]
+    nvrtc = [f for r in roots for f in sorted(r.glob("cu*/lib/libnvrtc.so.*")) if "alt" not in f.name]
+    cuobjdump = [f for r in roots for f in r.glob("cu*/bin/cuobjdump")]
+    if not nvrtc or not cuobjdump:
+        sys.exit(f"NVRTC ({'found' if nvrtc else 'missing'}) and cuobjdump ({'found' if cuobjdump else 'missing'}) "
+                 "under the nvidia package: pip install 'nvidia-cuda-nvrtc>=13' nvidia-cuda-cuobjdump "
+                 "nvidia-cuda-nvdisasm")
+    for builtins in nvrtc[-1].parent.glob("libnvrtc-builtins.so.*"):  # NVRTC opens it by name at compile time
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    return ctypes.CDLL(str(nvrtc[-1])), cuobjdump[0]
+
+
+def cubin(nvrtc: ctypes.CDLL, source: str, options: list[str], arch: str) -> bytes:
+    """``source`` compiled by NVRTC with the engine's ``options`` straight to machine code for ``arch``."""
+    prog = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"gemv.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    opts = [o.encode() for o in [f"--gpu-architecture={arch}", *options]]
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    if rc:
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC: {log.value.decode()}")
+    nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    out = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetCUBIN(prog, out)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return out.raw
+
+
+def variants(model: ModelConfig) -> list[tuple[str, list[str]]]:
+    """(kernel name, NVRTC options) of every variant CudaGemv compiles for the model's decode steps at each row
+    count it takes, with the engine's own choices (warps, unroll, staged chunks): q/k/v after the input norm
+    (the first layer's without a residual), o_proj staged beside the attention or plain, gate/up after the
+    post-attention norm, down_proj with the SiLU-mul, the LM head."""
+    h, d, i = model.hidden_size, model.head_dim, model.intermediate_size
+    q, kv = model.num_heads * d, model.num_kv_heads * d
+    uses = [((q + 2 * kv, h), dict(norm=True)), ((q + 2 * kv, h), dict(norm=True, residual=True)),
+            ((h, q), dict(staged=True)), ((h, q), {}), ((2 * i, h), dict(norm=True, residual=True)),
+            ((h, i), dict(silu_mul=True)), ((model.vocab_size, h), {})]
+    gemv = CudaGemv(torch.device("cpu"))
+    gemv.pdl = True  # as on sm_90, where the staged variants exist
+    compiled: dict[tuple[str, tuple[str, ...]], None] = {}
+    gemv._compile = lambda source, name, options, shared: compiled.setdefault((name, tuple(options)))
+    for (n, k), use in uses:
+        weight = torch.empty((n, k), dtype=torch.bfloat16)
+        for rows in gemv.ROWS:
+            x = torch.empty((rows, k * (2 if use.get("silu_mul") else 1)), dtype=torch.bfloat16)
+            if gemv.takes(x, weight, silu_mul=use.get("silu_mul", False)):
+                gemv._kernel(n, k, rows, **use)
+    return [(name, list(options)) for name, options in compiled]
+
+
+def check(sass: str) -> tuple[bool, int]:
+    """(the wait comes after the first weight load, or there is no wait; the SASS instruction count)."""
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+    loads = [i for i, op in enumerate(ops) if op in ("LDG", "LDGSTS")]
+    wait = ops.index("ACQBULK") if "ACQBULK" in ops else None
+    return wait is None or (bool(loads) and loads[0] < wait), len(ops)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="Qwen/Qwen3-8B", choices=sorted(KNOWN_MODELS))
+    ap.add_argument("--arch", default="sm_90", help="the GPU architecture to compile for (programmatic dependent "
+                    "launch needs sm_90 or later)")
+    ns = ap.parse_args()
+    nvrtc, cuobjdump = cuda_tools()
+    source, bad = _SOURCE.read_text(), 0
+    print(f"{ns.model}: the CUDA GEMV's variants for {ns.arch}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gemv.cubin"
+        for name, options in variants(ModelConfig.from_hf_dict(KNOWN_MODELS[ns.model])):
+            path.write_bytes(cubin(nvrtc, source, options, ns.arch))
+            sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+            found = re.search(rf"Function {name}:\s*\n\s*REG:(\d+) STACK:(\d+)", usage)
+            ok, count = check(sass)
+            bad += not ok
+            macros = " ".join(o[2:] for o in options if o.startswith("-D"))
+            print(f"  {'ok  ' if ok else 'WAIT FIRST'} {name} {macros}: {count} instructions, "
+                  f"{found.group(1) if found else '?'} registers, stack {found.group(2) if found else '?'} bytes")
+    if bad:
+        sys.exit(f"{bad} variant(s) wait for the kernel before them ahead of their first weight load")
+
+
+if __name__ == "__main__":
+    main()
