@@ -23,7 +23,10 @@ import torch
 
 from pagedserve.builtin.known_models import KNOWN_MODELS
 from pagedserve.config import ModelConfig
-from pagedserve.model.cuda_gemv import _SOURCE, CudaGemv
+from pagedserve.model.cuda_gemv import _KERNEL, _SOURCE, CudaGemv
+
+
+INSTALL = "pip install 'nvidia-cuda-nvrtc>=13' nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm"
 
 
 def cuda_tools() -> tuple[ctypes.CDLL, Path]:
@@ -31,15 +34,13 @@ def cuda_tools() -> tuple[ctypes.CDLL, Path]:
     try:
         import nvidia
     except ImportError:
-        sys.exit("needs CUDA's NVRTC and cuobjdump: pip install 'nvidia-cuda-nvrtc>=13' nvidia-cuda-cuobjdump "
-                 "nvidia-cuda-nvdisasm")
+        sys.exit(f"needs CUDA's NVRTC and cuobjdump: {INSTALL}")
     roots = [Path(p) for p in nvidia.__path__]
     nvrtc = [f for r in roots for f in sorted(r.glob("cu*/lib/libnvrtc.so.*")) if "alt" not in f.name]
     cuobjdump = [f for r in roots for f in r.glob("cu*/bin/cuobjdump")]
     if not nvrtc or not cuobjdump:
         sys.exit(f"NVRTC ({'found' if nvrtc else 'missing'}) and cuobjdump ({'found' if cuobjdump else 'missing'}) "
-                 "under the nvidia package: pip install 'nvidia-cuda-nvrtc>=13' nvidia-cuda-cuobjdump "
-                 "nvidia-cuda-nvdisasm")
+                 f"under the nvidia package: {INSTALL}")
     for builtins in nvrtc[-1].parent.glob("libnvrtc-builtins.so.*"):  # NVRTC opens it by name at compile time
         ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
     return ctypes.CDLL(str(nvrtc[-1])), cuobjdump[0]
@@ -65,8 +66,8 @@ def cubin(nvrtc: ctypes.CDLL, source: str, options: list[str], arch: str) -> byt
     return out.raw
 
 
-def variants(model: ModelConfig) -> list[tuple[str, list[str]]]:
-    """(kernel name, NVRTC options) of every variant CudaGemv compiles for the model's decode steps at each row
+def variants(model: ModelConfig) -> list[list[str]]:
+    """The NVRTC options of every variant CudaGemv compiles for the model's decode steps at each row
     count it takes, with the engine's own choices (warps, unroll, staged chunks): q/k/v after the input norm
     (the first layer's without a residual), o_proj staged beside the attention or plain, gate/up after the
     post-attention norm, down_proj with the SiLU-mul, the LM head."""
@@ -77,15 +78,15 @@ def variants(model: ModelConfig) -> list[tuple[str, list[str]]]:
             ((h, i), dict(silu_mul=True)), ((model.vocab_size, h), {})]
     gemv = CudaGemv(torch.device("cpu"))
     gemv.pdl = True  # as on sm_90, where the staged variants exist
-    compiled: dict[tuple[str, tuple[str, ...]], None] = {}
-    gemv._compile = lambda source, name, options, shared: compiled.setdefault((name, tuple(options)))
+    compiled: dict[tuple[str, ...], None] = {}
+    gemv._compile = lambda options, shared: compiled.setdefault(tuple(options))
     for (n, k), use in uses:
         weight = torch.empty((n, k), dtype=torch.bfloat16)
         for rows in gemv.ROWS:
             x = torch.empty((rows, k * (2 if use.get("silu_mul") else 1)), dtype=torch.bfloat16)
             if gemv.takes(x, weight, silu_mul=use.get("silu_mul", False)):
                 gemv._kernel(n, k, rows, **use)
-    return [(name, list(options)) for name, options in compiled]
+    return [list(options) for options in compiled]
 
 
 def check(sass: str) -> tuple[bool, int]:
@@ -107,15 +108,15 @@ def main() -> None:
     print(f"{ns.model}: the CUDA GEMV's variants for {ns.arch}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gemv.cubin"
-        for name, options in variants(ModelConfig.from_hf_dict(KNOWN_MODELS[ns.model])):
+        for options in variants(ModelConfig.from_hf_dict(KNOWN_MODELS[ns.model])):
             path.write_bytes(cubin(nvrtc, source, options, ns.arch))
             sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
             usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-            found = re.search(rf"Function {name}:\s*\n\s*REG:(\d+) STACK:(\d+)", usage)
+            found = re.search(rf"Function {_KERNEL}:\s*\n\s*REG:(\d+) STACK:(\d+)", usage)
             ok, count = check(sass)
             bad += not ok
             macros = " ".join(o[2:] for o in options if o.startswith("-D"))
-            print(f"  {'ok  ' if ok else 'WAIT FIRST'} {name} {macros}: {count} instructions, "
+            print(f"  {'ok  ' if ok else 'WAIT FIRST'} {macros}: {count} instructions, "
                   f"{found.group(1) if found else '?'} registers, stack {found.group(2) if found else '?'} bytes")
     if bad:
         sys.exit(f"{bad} variant(s) wait for the kernel before them ahead of their first weight load")

@@ -16,7 +16,7 @@ from pagedserve.model.fused import sm_count
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("gemv.cu")
+_SOURCE, _KERNEL = Path(__file__).with_name("gemv.cu"), "gemv_bf16"
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 _MAX_DYNAMIC_SHARED_SIZE_BYTES, _PREFERRED_SHARED_MEMORY_CARVEOUT = 8, 9  # CUfunction_attribute
 
@@ -99,12 +99,8 @@ class CudaGemv:
     def unroll_for(self, k: int, rows: int = 1) -> int:
         """Loads in flight a lane: ``unroll`` (``ROW_UNROLL`` above one row), halved until a row splits into
         whole steps of 32 lanes."""
-        return self._halved(self.unroll if rows == 1 else self.ROW_UNROLL, k, 32)
-
-    @staticmethod
-    def _halved(unroll: int, k: int, lanes: int) -> int:
-        """``unroll`` halved until a row of k values splits into whole steps of ``lanes`` lanes' 16-byte loads."""
-        while unroll > 1 and (k // 8) % (lanes * unroll):
+        unroll = self.unroll if rows == 1 else self.ROW_UNROLL
+        while unroll > 1 and (k // 8) % (32 * unroll):
             unroll //= 2
         return unroll
 
@@ -148,24 +144,19 @@ class CudaGemv:
         key = (warps, k, rows, silu_mul, norm, residual, chunks)
         if key not in self._kernels:
             unroll = self.unroll_for(k, rows)
-            options = self._options(k, warps, unroll, rows, silu_mul, norm, residual)
+            options = ["-std=c++17", f"-DK={k}", f"-DWARPS={warps}", f"-DUNROLL={unroll}", f"-DROWS={rows}",
+                       f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}", f"-DHAS_RESIDUAL={int(residual)}"]
             if chunks:
                 options += [f"-DSTAGED={chunks}", "-DMIN_CTAS=2"]
             # dynamic shared memory: the staged weights of one row, or x itself above one row
             shared = chunks * warps * unroll * 32 * 16 if rows == 1 else self.x_shared(rows, k)
-            self._kernels[key] = self._compile(_SOURCE.read_text(), "gemv_bf16", options, shared), warps, shared
+            self._kernels[key] = self._compile(options, shared), warps, shared
         return self._kernels[key]
 
-    @staticmethod
-    def _options(k: int, warps: int, unroll: int, rows: int, silu_mul: bool, norm: bool, residual: bool) -> list[str]:
-        """NVRTC options of a variant: its shape and what x is staged as."""
-        return ["-std=c++17", f"-DK={k}", f"-DWARPS={warps}", f"-DUNROLL={unroll}", f"-DROWS={rows}",
-                f"-DSILU_MUL={int(silu_mul)}", f"-DNORM={int(norm)}", f"-DHAS_RESIDUAL={int(residual)}"]
-
-    def _compile(self, source: str, name: str, options: list[str], shared: int):
-        """Kernel ``name`` of ``source``, opted in to ``shared`` bytes of dynamic shared memory."""
+    def _compile(self, options: list[str], shared: int):
+        """gemv.cu's kernel compiled with NVRTC ``options``, opted in to ``shared`` bytes of dynamic shared memory."""
         with torch.cuda.device(self.device):
-            kernel = torch.cuda._compile_kernel(source, name, nvcc_options=options)
+            kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), _KERNEL, nvcc_options=options)
             if shared:  # above 48 KB of dynamic shared memory a kernel must opt in
                 for attr, value in ((_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
                                     (_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):  # L1 all shared memory
