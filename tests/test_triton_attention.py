@@ -369,11 +369,13 @@ def test_prompt_graphs_never_exceed_the_step_budget():
     assert cfg.max_cudagraph_capture_size == 3000 and prompt_graph_sizes(cfg.max_cudagraph_capture_size)[-1] == 3000
 
 
-_COMPILE_FUSED_DECODE = """
+_COMPILE_FUSED_DECODE = r"""
 import json
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.disasm import get_sass
 from pagedserve.model.triton_attention import _fused_decode
 
 names = _fused_decode.arg_names
@@ -386,9 +388,12 @@ for label, pdl, prefetch in (("pdl", True, 0), ("prefetch", True, 2), ("plain", 
                  FP16_DOTS=False, V_CVT_ASM=False, QK_NORM=True, PDL=pdl, PREFETCH_LINES=prefetch, STAGES=3)
     sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
     src = ASTSource(_fused_decode, sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
-    lines = [line.strip() for line in ptx.splitlines()]
-    found[label] = [line.split()[0] for line in lines if line.startswith(("griddepcontrol", "prefetch"))]
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm
+    lines = [line.strip() for line in asm["ptx"].splitlines()]
+    found[label] = [line.split()[0].rstrip(";") for line in lines if line.startswith(("griddepcontrol", "prefetch"))]
+    # ptxas's order: global loads, L2 prefetches (CCTL.E.PF2), the wait (ACQBULK), the release (PREEXIT)
+    ops = re.findall(r"^\S+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", get_sass(asm["cubin"]), re.M)  # control, opcode
+    found[label + " sass"] = [op for op in ops if op.startswith(("LDG", "CCTL", "ACQBULK", "PREEXIT"))]
 print(json.dumps(found))
 """
 
@@ -397,7 +402,7 @@ def test_fused_decode_compiles_for_hopper_with_its_dependent_launch():
     """The GPU-only branch the interpreter never runs: compiled for sm_90, the fused decode waits for the
     q/k/v projection and then releases the next kernel (griddepcontrol), and without PDL does neither; with
     the prefetch, each of its 128 threads pulls 4 of the first tile's 512 K/V lines (128 keys x 2 lines x K
-    and V) into L2 before the wait."""
+    and V) into L2 before the wait; in the machine code as in the PTX."""
     import json
     import os
     import subprocess
@@ -411,6 +416,15 @@ def test_fused_decode_compiles_for_hopper_with_its_dependent_launch():
     assert found["pdl"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
     assert found["prefetch"] == ["prefetch.global.L2"] * 4 + found["pdl"]
     assert found["plain"] == []
+    # and ptxas keeps the wait after the loads of what the host wrote and after the prefetches: hoisting it (an
+    # acquire, so legal) would leave them to start only once the projection has finished
+    for label in ("pdl", "prefetch"):
+        sass = found[label + " sass"]
+        assert "ACQBULK" in sass and sass.index("PREEXIT") > sass.index("ACQBULK")
+        early = sass[:sass.index("ACQBULK")]
+        assert any(op.startswith("LDG") for op in early)
+        assert early.count("CCTL.E.PF2") == (4 if label == "prefetch" else 0) == sass.count("CCTL.E.PF2")
+    assert not {"ACQBULK", "PREEXIT"} & set(found["plain sass"])
 
 
 def test_the_fused_decode_is_a_dependent_only_after_the_one_row_gemv(monkeypatch):
