@@ -60,6 +60,16 @@ def test_noise_below_the_threshold_does_not_place_a_knee_early():
     assert res.knee == 5
 
 
+def test_a_flat_step_that_later_rungs_climb_out_of_is_not_a_knee():
+    # two cores serving a tiny model: 1 -> 2 flat, then +83 % at 4; the throughput stops for good only at 16
+    res = find_knee(ladder([438, 435, 797, 995, 950, 607]), LOADS, KneeSettings())
+    assert [s.rung for s in res.signals if s.name == "throughput"] == [4, 5]
+    assert res.knee == 4 and res.recommendation == 3
+    assert "995 -> 950 tok/s" in res.reason
+    # a step that never recovers still places it: 1,000 -> 1,040 -> 1,090 is +4 % and then +4.4 % per doubling
+    assert find_knee(ladder([250, 500, 1000, 1040, 1090, 1100]), LOADS, KneeSettings()).knee == 3
+
+
 def test_knee_from_preemption_from_kv_usage_and_from_failures():
     pre = find_knee(ladder([100, 200, 400, 800, 1600, 3200], server_preemptions=[0, 0, 0, 5, 50, 90]), LOADS,
                     KneeSettings())

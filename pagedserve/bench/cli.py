@@ -226,7 +226,8 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
     k.add_argument("--slo", nargs="+", default=None,
                    help="Limits in ms a recommended rung must meet, e.g. ttft_p95=500 itl_p95=50 e2el_p99=10000.")
     k.add_argument("--knee-min-gain", type=float, default=0.10,
-                   help="Knee when output throughput grows less than this per doubling of the load.")
+                   help="Knee when output throughput grows less than this per doubling of the load, from the rung "
+                        "before to this one and to every higher one.")
     k.add_argument("--knee-latency-factor", type=float, default=3.0,
                    help="Knee when the p95 of a --knee-latency-metrics metric exceeds this multiple of the lowest "
                         "rung's (for metrics without an --slo).")

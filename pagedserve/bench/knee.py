@@ -6,7 +6,8 @@ rung any enabled signal marks, and the recommendation is the highest rung left o
 and failed no request:
 
 - ``throughput``: output throughput gained less than ``min_gain`` per doubling of the load from the rung
-  before (more load buys little);
+  before, and no higher rung gains more than that over the rung before either (more load buys little; a
+  flat step the next rungs climb out of is noise, not a knee);
 - ``latency``: p95 E2EL or ITL (``latency_metrics``) above ``latency_factor`` times the lowest rung's: request
   latency climbs. TTFT is not among the defaults: in a closed loop it grows with every prompt that shares
   a prefill step long before throughput stops growing, so a TTFT limit is the user's to give (``--slo
@@ -187,8 +188,11 @@ def find_knee(rungs: list[dict], loads: list[float], settings: KneeSettings, uni
         if i == 0:
             continue
         prev = rungs[i - 1]
-        g = gain_per_doubling(prev.get("output_throughput", 0.0), r.get("output_throughput", 0.0), loads[i - 1], loads[i])
-        if g is not None and g < settings.min_gain:
+        base_thr = prev.get("output_throughput", 0.0)
+        gains = [gain_per_doubling(base_thr, later.get("output_throughput", 0.0), loads[i - 1], loads[j])
+                 for j, later in enumerate(rungs[i:], i)]  # to this rung and to each above it
+        g = gains[0]
+        if g is not None and all(x is not None and x < settings.min_gain for x in gains):
             fire("throughput", i,
                  f"output throughput {prev['output_throughput']:,.0f} -> {r['output_throughput']:,.0f} tok/s from "
                  f"{_fmt_load(loads[i - 1], unit)} to {loads[i]:g}: {100 * g:+.1f} % per doubling "
