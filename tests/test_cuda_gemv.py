@@ -176,7 +176,6 @@ def test_o_proj_stages_only_after_an_attention_that_releases_it_early(monkeypatc
     assert calls == [True, False]
 
 
-
 def test_the_sass_check_lists_each_variant_once_and_finds_a_hoisted_wait():
     """benchmarks/kernels/gemv_sass.py (run where CUDA's NVRTC and cuobjdump are installed): the variants it
     compiles are the engine's own choices for the model's shapes, and it fails a variant whose wait for the

@@ -192,7 +192,7 @@ def find_knee(rungs: list[dict], loads: list[float], settings: KneeSettings, uni
         gains = [gain_per_doubling(base_thr, later.get("output_throughput", 0.0), loads[i - 1], loads[j])
                  for j, later in enumerate(rungs[i:], i)]  # to this rung and to each above it
         g = gains[0]
-        if g is not None and all(x is not None and x < settings.min_gain for x in gains):
+        if all(x is not None and x < settings.min_gain for x in gains):
             fire("throughput", i,
                  f"output throughput {prev['output_throughput']:,.0f} -> {r['output_throughput']:,.0f} tok/s from "
                  f"{_fmt_load(loads[i - 1], unit)} to {loads[i]:g}: {100 * g:+.1f} % per doubling "
