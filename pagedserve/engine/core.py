@@ -108,9 +108,10 @@ class EngineCounters:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, worker=None):
+    def __init__(self, config: EngineConfig, worker=None, log_budget: bool = True):
         """``worker``: what executes the steps (default: a ``Worker`` on the configured device); anything
-        with its ``budget``, ``execute``, ``device_memory``, ``reset_peak_memory`` and ``shutdown`` will do."""
+        with its ``budget``, ``execute``, ``device_memory``, ``reset_peak_memory`` and ``shutdown`` will do.
+        ``log_budget=False``: a caller that builds many cores of one budget logs it once itself."""
         t0 = time.perf_counter()
         self.config = config
         self.worker = worker if worker is not None else Worker(config)
@@ -128,9 +129,10 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, PendingSamples | None] | None = None
         self._uncollected: list[SchedulerOutput] = []  # the steps a failing step() leaves without outputs
         self._last_result: float | None = None  # when the last step's results came, while steps follow on
-        for line in budget.report_lines():
-            logger.info(line)
-        logger.info("init engine (load model, size KV cache) took %.2f seconds", time.perf_counter() - t0)
+        if log_budget:
+            for line in budget.report_lines():
+                logger.info(line)
+            logger.info("init engine (load model, size KV cache) took %.2f seconds", time.perf_counter() - t0)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any."""

@@ -4,6 +4,7 @@ start with the sweep's flags, on the GPU a calibration was measured on."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from pagedserve.errors import ConfigError
 from pagedserve.memory import GiB, dtype_name
 from pagedserve.sim.cost import Calibration, load_calibration, shipped
 from pagedserve.sim.load import simulate_load
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -94,6 +97,8 @@ class Simulation:
         from pagedserve.bench.sweep import aggregate, rung_seeds
 
         config, budget = self.engine(model, flags)
+        for line in budget.report_lines():  # every rung's fresh engine has this budget
+            logger.info(line)
         vocab = config.model.vocab_size
 
         def measure(index: int, load: float) -> dict:

@@ -39,7 +39,7 @@ def simulate_load(config, budget: MemoryBudget, cost: CostModel, samples: list[S
     replayed recording) or by the rate and burstiness; returns what ``run_benchmark`` returns, less the
     per-request arrays, with the engine's own peaks and preemptions."""
     worker = SimulatedWorker(config, budget, cost)
-    core = EngineCore(config, worker=worker)
+    core = EngineCore(config, worker=worker, log_budget=False)
     n = len(samples)
     arrivals = arrival_delays(n, request_rate, burstiness, seed) if arrivals is None else arrivals
     results = [RequestResult(prompt_len=s.prompt_len) for s in samples]
