@@ -116,18 +116,29 @@ __device__ __forceinline__ void stage_x(uint4* xs, const uint4* X, const uint4* 
     __shared__ float part[ROWS][WARPS];
     float ss[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        ss[r] = 0.f;
-        for (int i = r * PIECES + threadIdx.x; i < (r + 1) * PIECES; i += WARPS * 32) {
-            uint4 h = X[i];
+    for (int r = 0; r < ROWS; ++r) ss[r] = 0.f;
+    for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {
+        uint4 h[ROWS];  // every row's reads in flight at once
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) h[r] = X[r * PIECES + i];
 #if HAS_RESIDUAL
-            const uint4 res = R[i];
-            h = make_uint4(add2(h.x, res.x), add2(h.y, res.y), add2(h.z, res.z), add2(h.w, res.w));
-            if (blockIdx.x == 0) ROut[i] = h;
+        uint4 res[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) res[r] = R[r * PIECES + i];
 #endif
-            xs[i] = h;
-            ss[r] += sq2(h.x) + sq2(h.y) + sq2(h.z) + sq2(h.w);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#if HAS_RESIDUAL
+            h[r] = make_uint4(add2(h[r].x, res[r].x), add2(h[r].y, res[r].y), add2(h[r].z, res[r].z),
+                              add2(h[r].w, res[r].w));
+            if (blockIdx.x == 0) ROut[r * PIECES + i] = h[r];
+#endif
+            xs[r * PIECES + i] = h[r];
+            ss[r] += sq2(h[r].x) + sq2(h[r].y) + sq2(h[r].z) + sq2(h[r].w);
         }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffff, ss[r], o);
         if ((threadIdx.x & 31) == 0) part[r][threadIdx.x >> 5] = ss[r];
@@ -146,16 +157,25 @@ __device__ __forceinline__ void stage_x(uint4* xs, const uint4* X, const uint4* 
         }
     }
 #else
-    for (int r = 0; r < ROWS; ++r) {
-        for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {
+    for (int i = threadIdx.x; i < PIECES; i += WARPS * 32) {
 #if SILU_MUL  // a row of x is [gate | up]: 2 x PIECES
-            const uint4 g = X[2 * r * PIECES + i], u = X[(2 * r + 1) * PIECES + i];
-            xs[r * PIECES + i] = make_uint4(silu_mul2(g.x, u.x), silu_mul2(g.y, u.y), silu_mul2(g.z, u.z),
-                                            silu_mul2(g.w, u.w));
-#else
-            xs[r * PIECES + i] = X[r * PIECES + i];
-#endif
+        uint4 g[ROWS], u[ROWS];  // every row's reads in flight at once
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            g[r] = X[2 * r * PIECES + i];
+            u[r] = X[(2 * r + 1) * PIECES + i];
         }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            xs[r * PIECES + i] = make_uint4(silu_mul2(g[r].x, u[r].x), silu_mul2(g[r].y, u[r].y),
+                                            silu_mul2(g[r].z, u[r].z), silu_mul2(g[r].w, u[r].w));
+#else
+        uint4 v[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) v[r] = X[r * PIECES + i];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) xs[r * PIECES + i] = v[r];
+#endif
     }
 #endif
 }
