@@ -196,3 +196,19 @@ def test_the_sass_check_lists_each_variant_once_and_finds_a_hoisted_wait():
     hoisted = "".join(sass.format(16 * i, op) for i, op in enumerate(["S2R", "ACQBULK", "LDG.E.128", "LDG.E"]))
     staged = "".join(sass.format(16 * i, op) for i, op in enumerate(["@!P0 LDGSTS.E.BYPASS.128", "ACQBULK"]))
     assert check(good) == (True, 5) and check(hoisted) == (False, 4) and check(staged)[0]
+
+
+def test_every_gemv_variant_compiles_for_hopper_with_its_wait_after_its_first_weight_loads():
+    """gemv.cu as the engine compiles it for the decode steps of every model whose facts ship, built for sm_90
+    by NVRTC on this GPU-less machine: every variant compiles and waits for the kernel before it only after its
+    first weight loads are in flight (else the dependent launch's overlap is silently lost), and none of a 7-8B
+    model's spills (ptxas keeps a few words of one Qwen3-0.6B variant on the stack)."""
+    from benchmarks.kernels.gemv_sass import inspect
+    from pagedserve.builtin.known_models import KNOWN_MODELS
+    from pagedserve.config import ModelConfig
+
+    for name, facts in KNOWN_MODELS.items():
+        rows = inspect(ModelConfig.from_hf_dict(facts))
+        assert rows and all(ok and registers is not None for _, ok, _, registers, _ in rows), (name, rows)
+        if "0.6B" not in name:
+            assert all(stack == 0 for *_, stack in rows), (name, rows)

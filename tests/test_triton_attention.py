@@ -324,6 +324,21 @@ def test_start_up_runs_every_attention_variant_a_step_can_choose(monkeypatch):
         assert {(block_q, 1, False), (block_q, 1, True)} <= set(launched)
 
 
+def test_cuda_fp8_decode_compiles_for_hopper_without_spilling():
+    """fp8_decode.cu as the engine builds it for the query-head groups of every model whose facts ship,
+    compiled for sm_90 by NVRTC on this GPU-less machine (its numbers are checked on the GPU by gpu_check)."""
+    from benchmarks.kernels.gemv_sass import cuda_tools, machine_code
+    from pagedserve.builtin.known_models import KNOWN_MODELS
+    from pagedserve.model.cuda_decode import _KERNEL, _SOURCE, CudaFp8Decode
+
+    tools, source = cuda_tools(), _SOURCE.read_text()
+    groups = {f["num_attention_heads"] // f["num_key_value_heads"] for f in KNOWN_MODELS.values()}
+    for group in sorted(groups):
+        options = CudaFp8Decode.options(group, 16, CudaFp8Decode.WARPS, CudaFp8Decode.PREFETCH)
+        sass, registers, stack = machine_code(tools, source, options, "sm_90", _KERNEL)
+        assert "LDG" in sass and registers and stack == 0, (group, registers, stack)
+
+
 def test_cuda_fp8_decode_serves_only_the_launches_it_covers():
     """The CUDA fp8 decode (checked against the torch reference on the GPU by benchmarks/gpu_check.py)
     takes e4m3 decodes of head dim 128, <= 8 heads a KV head and blocks a multiple of 16 on CUDA; every other

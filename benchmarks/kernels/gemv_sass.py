@@ -5,7 +5,7 @@ programmatic dependent launch's wait (griddepcontrol.wait, ACQBULK in SASS) befo
 wait only acquires, so hoisting it is legal, and it silently turns off the weight stream a GEMV starts while the
 kernel before it finishes. Small edits to the staging of x have moved it; check here before timing on a GPU.
 
-pip install "nvidia-cuda-nvrtc>=13" nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm   # CUDA's, from PyPI
+pip install "nvidia-cuda-nvrtc>=13"   # CUDA's, from PyPI (the test extra has it); cuobjdump: Triton's own
 python -m benchmarks.kernels.gemv_sass [--model Qwen/Qwen3-8B] [--arch sm_90]
 """
 
@@ -26,21 +26,28 @@ from pagedserve.config import ModelConfig
 from pagedserve.model.cuda_gemv import _KERNEL, _SOURCE, CudaGemv
 
 
-INSTALL = "pip install 'nvidia-cuda-nvrtc>=13' nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm"
+INSTALL = "pip install 'nvidia-cuda-nvrtc>=13'"
 
 
 def cuda_tools() -> tuple[ctypes.CDLL, Path]:
-    """NVRTC and cuobjdump from the nvidia-cuda-* wheels (namespace package ``nvidia``)."""
+    """NVRTC from CUDA's wheel (namespace package ``nvidia``); cuobjdump from CUDA's wheel where installed, else
+    the one Triton ships for its own kernels."""
     try:
         import nvidia
     except ImportError:
-        sys.exit(f"needs CUDA's NVRTC and cuobjdump: {INSTALL}")
+        sys.exit(f"needs CUDA's NVRTC: {INSTALL}")
     roots = [Path(p) for p in nvidia.__path__]
     nvrtc = [f for r in roots for f in sorted(r.glob("cu*/lib/libnvrtc.so.*")) if "alt" not in f.name]
     cuobjdump = [f for r in roots for f in r.glob("cu*/bin/cuobjdump")]
+    try:
+        import triton
+        cuobjdump.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    except ImportError:
+        pass
+    cuobjdump = [f for f in cuobjdump if f.is_file()]
     if not nvrtc or not cuobjdump:
-        sys.exit(f"NVRTC ({'found' if nvrtc else 'missing'}) and cuobjdump ({'found' if cuobjdump else 'missing'}) "
-                 f"under the nvidia package: {INSTALL}")
+        sys.exit(f"NVRTC ({'found' if nvrtc else 'missing'}) under the nvidia package, cuobjdump "
+                 f"({'found' if cuobjdump else 'missing'}) there or in Triton: {INSTALL}")
     for builtins in nvrtc[-1].parent.glob("libnvrtc-builtins.so.*"):  # NVRTC opens it by name at compile time
         ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
     return ctypes.CDLL(str(nvrtc[-1])), cuobjdump[0]
@@ -97,27 +104,42 @@ def check(sass: str) -> tuple[bool, int]:
     return wait is None or (bool(loads) and loads[0] < wait), len(ops)
 
 
+def machine_code(tools: tuple[ctypes.CDLL, Path], source: str, options: list[str], arch: str,
+                 kernel: str) -> tuple[str, int | None, int | None]:
+    """(SASS, registers a thread, stack bytes a thread) of ``kernel`` in ``source`` compiled with ``options``."""
+    nvrtc, cuobjdump = tools
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin(nvrtc, source, options, arch))
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    found = re.search(rf"Function {kernel}:\s*\n\s*REG:(\d+) STACK:(\d+)", usage)
+    return sass, *((int(found.group(1)), int(found.group(2))) if found else (None, None))
+
+
+def inspect(model: ModelConfig, arch: str = "sm_90") -> list[tuple[str, bool, int, int | None, int | None]]:
+    """For each GEMV variant of ``model``: (its macros, wait after the first weight load, instructions,
+    registers, stack bytes)."""
+    tools, source, rows = cuda_tools(), _SOURCE.read_text(), []
+    for options in variants(model):
+        sass, registers, stack = machine_code(tools, source, options, arch, _KERNEL)
+        ok, count = check(sass)
+        rows.append((" ".join(o[2:] for o in options if o.startswith("-D")), ok, count, registers, stack))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="Qwen/Qwen3-8B", choices=sorted(KNOWN_MODELS))
     ap.add_argument("--arch", default="sm_90", help="the GPU architecture to compile for (programmatic dependent "
                     "launch needs sm_90 or later)")
     ns = ap.parse_args()
-    nvrtc, cuobjdump = cuda_tools()
-    source, bad = _SOURCE.read_text(), 0
     print(f"{ns.model}: the CUDA GEMV's variants for {ns.arch}")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "gemv.cubin"
-        for options in variants(ModelConfig.from_hf_dict(KNOWN_MODELS[ns.model])):
-            path.write_bytes(cubin(nvrtc, source, options, ns.arch))
-            sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-            found = re.search(rf"Function {_KERNEL}:\s*\n\s*REG:(\d+) STACK:(\d+)", usage)
-            ok, count = check(sass)
-            bad += not ok
-            macros = " ".join(o[2:] for o in options if o.startswith("-D"))
-            print(f"  {'ok  ' if ok else 'WAIT FIRST'} {macros}: {count} instructions, "
-                  f"{found.group(1) if found else '?'} registers, stack {found.group(2) if found else '?'} bytes")
+    rows = inspect(ModelConfig.from_hf_dict(KNOWN_MODELS[ns.model]), ns.arch)
+    for macros, ok, count, registers, stack in rows:
+        print(f"  {'ok  ' if ok else 'WAIT FIRST'} {macros}: {count} instructions, "
+              f"{'?' if registers is None else registers} registers, stack {'?' if stack is None else stack} bytes")
+    bad = sum(not ok for _, ok, *_ in rows)
     if bad:
         sys.exit(f"{bad} variant(s) wait for the kernel before them ahead of their first weight load")
 

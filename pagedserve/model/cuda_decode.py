@@ -12,7 +12,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("fp8_decode.cu")
+_SOURCE, _KERNEL = Path(__file__).with_name("fp8_decode.cu"), "fp8_paged_decode"
 _LOG2E = 1.4426950408889634
 
 
@@ -39,6 +39,12 @@ class CudaFp8Decode:
             return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
         return None
 
+    @staticmethod
+    def options(group: int, block_size: int, warps: int, prefetch: int) -> list[str]:
+        """NVRTC's options for one variant."""
+        return ["-std=c++17", "--use_fast_math", f"-DWARPS={warps}", f"-DG={group}", f"-DBLOCK_SIZE={block_size}",
+                f"-DPREFETCH={prefetch}"]
+
     @classmethod
     def build(cls, group: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
               warps: int | None = None, prefetch: int | None = None) -> CudaFp8Decode | None:
@@ -49,10 +55,8 @@ class CudaFp8Decode:
         if reason is None:
             try:
                 with torch.cuda.device(device):
-                    kernel = torch.cuda._compile_kernel(
-                        _SOURCE.read_text(), "fp8_paged_decode",
-                        nvcc_options=["-std=c++17", "--use_fast_math", f"-DWARPS={warps}", f"-DG={group}",
-                                      f"-DBLOCK_SIZE={block_size}", f"-DPREFETCH={prefetch}"])
+                    kernel = torch.cuda._compile_kernel(_SOURCE.read_text(), _KERNEL,
+                                                        nvcc_options=cls.options(group, block_size, warps, prefetch))
                 logger.info("fp8 decodes: CUDA kernel, %d warps a (sequence, KV head)", warps)
                 return cls(kernel, warps, num_kv_heads)
             except Exception as e:  # NVRTC missing or refusing: Triton still serves every launch
