@@ -132,6 +132,7 @@ GOOD = {"profiles": {"normal": {"max_num_seqs": 8, "max_num_batched_tokens": 512
     (lambda d: d.update(triggers={"kv_cache_usage": {"above": 0.9, "for": 3}}), "triggers.kv_cache_usage.for"),
     (lambda d: d.update(triggers={"long_prompts_per_min": {"above": 3}}), "needs triggers.long_prompt_tokens"),
     (lambda d: d["profiles"]["protect"].update(restart={"block_size": 32}), "profiles.protect.restart.block_size"),
+    (lambda d: d.update(d.pop("profiles")), "profiles: Field required (a top-level 'profiles:' mapping holds"),
 ])
 def test_profiles_file_errors_name_the_key(tmp_path, change, fragment):
     data = json.loads(json.dumps(GOOD))

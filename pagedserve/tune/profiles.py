@@ -114,7 +114,9 @@ def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or "the file"
     got = f" (got {err['input']!r})" if err["type"] != "missing" and not isinstance(err.get("input"), dict) else ""
-    return f"{where}: {err['msg']}{got}"
+    hint = (" (a top-level 'profiles:' mapping holds 'normal:' and 'protect:'; `pagedserve tune` writes such a file)"
+            if err["type"] == "missing" and tuple(err["loc"]) == ("profiles",) else "")
+    return f"{where}: {err['msg']}{got}{hint}"
 
 
 def load_profiles(path: str | Path) -> ProfilesFile:
