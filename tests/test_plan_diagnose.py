@@ -161,9 +161,11 @@ def test_diagnose_token_budget_bound():
     # 1.9 s of each 2 s TTFT in prefill; steps of 4,000 tokens on average
     rows = [(6, 5, 0.3, 0, 2.0 * (i + 1), i + 1, 0.02 * 40 * i, 40 * i, 1.9 * (i + 1), i + 1, 4000.0 * 10 * i, 10 * i)
             for i in range(6)]
-    d = diagnose(series(rows), max_num_seqs=64)
+    d = diagnose(series(rows), max_num_seqs=64, max_num_batched_tokens=4096)
     assert d.situation == 3 and "--max-num-batched-tokens" in d.first_change and "token budget" in d.title
-    assert "mean prefill time 1900.0 ms" in d.text() and "mean tokens a step 4000" in d.text()
+    assert "mean prefill time 1900.0 ms" in d.text()
+    assert "mean tokens a step 4000 (98 % of --max-num-batched-tokens 4096)" in d.text()
+    assert "- mean tokens a step 4000\n" in diagnose(series(rows), max_num_seqs=64).text()  # no budget given
 
 
 def test_diagnose_itl_rising_without_queue():

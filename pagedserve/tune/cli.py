@@ -29,7 +29,7 @@ def cmd_diagnose(ns: argparse.Namespace) -> None:
     from pagedserve.tune.diagnose import diagnose, scrape_window
 
     samples, failed = scrape_window(ns.url, ns.window, ns.interval)
-    result = diagnose(samples, ns.max_num_seqs, ns.url.rstrip("/"), failed)
+    result = diagnose(samples, ns.max_num_seqs, ns.url.rstrip("/"), failed, ns.max_num_batched_tokens)
     print(json.dumps(dataclasses.asdict(result), indent=2) if ns.json else result.text())
 
 
@@ -147,6 +147,8 @@ def add_tune_parsers(sub) -> None:
     d.add_argument("--interval", type=float, default=1.0, help="Seconds between scrapes.")
     d.add_argument("--max-num-seqs", type=int, default=None,
                    help="The server's --max-num-seqs, to tell queueing at the cap from the token budget.")
+    d.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="The server's --max-num-batched-tokens, to show how full its steps run.")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_diagnose)
 

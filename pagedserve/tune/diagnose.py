@@ -64,9 +64,9 @@ def _mean(samples, key_sum, key_count) -> float | None:
 
 
 def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, url: str = "URL",
-             unreachable: str | None = None) -> Diagnosis:
+             unreachable: str | None = None, max_num_batched_tokens: int | None = None) -> Diagnosis:
     """Classify a window of scrapes (oldest first). An empty list means the server could not be read
-    (``unreachable``: why the last scrape failed)."""
+    (``unreachable``: why the last scrape failed). The server's limits, where given, place its peaks."""
     if not samples:
         return Diagnosis(1, "start-up failure: the server does not answer /metrics",
                          f"check that the server runs and listens at {url}; if it exited, read its start-up log: it "
@@ -97,7 +97,9 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
         evidence.append(f"mean prefill time {1000 * prefill:.1f} ms (first scheduled to first token)")
     step_tokens = _mean(samples, "step_tokens_sum", "step_tokens_count")
     if step_tokens is not None:
-        evidence.append(f"mean tokens a step {step_tokens:.0f} (the step's token budget bounds it)")
+        budget = (f" ({100 * step_tokens / max_num_batched_tokens:.0f} % of --max-num-batched-tokens "
+                  f"{max_num_batched_tokens})" if max_num_batched_tokens else "")
+        evidence.append(f"mean tokens a step {step_tokens:.0f}{budget}")
     gpu_wait = None
     if "device_wait" in first and "device_wait" in last and last["t"] > first["t"]:
         gpu_wait = (last["device_wait"] - first["device_wait"]) / (last["t"] - first["t"])
