@@ -300,6 +300,7 @@ class EngineArgs:
     seed: int = _arg(0, "Seed for dummy weights and for sampling without a per-request seed.")
     generation_config: str = _arg("auto", "Default sampling parameters for requests that leave them unset: auto (the model folder's generation_config.json, as its authors recommend: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; its eos_token_id also ends a sequence), vllm (neutral defaults; the file is ignored), or a folder with a generation_config.json.")
     override_generation_config: str | dict | None = _arg(None, "Sampling defaults over the generation config's, as JSON (a dict from Python), e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' (keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): merged onto the model's file with --generation-config auto, used alone with vllm.")
+    max_logprobs: int = _arg(20, "Most logprobs a request may ask for a token (logprobs, top_logprobs, prompt_logprobs); -1: the vocabulary's size. A request over it is refused with this flag's name.")
     reasoning_parser: str | None = _arg(None, "A reasoning model's <think> convention: qwen3 (Qwen3) or deepseek_r1 (DeepSeek-R1, QwQ). The server returns the reasoning apart from the answer (reasoning_content), and a structured-output grammar holds only from the end of the reasoning.")
     max_model_len: int | None = _arg(None, "Context length (prompt + output); accepts 8k-style values. Default: the model's max_position_embeddings.", size=True)
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
@@ -406,6 +407,11 @@ class EngineArgs:
         if not isinstance(mixed, int) or isinstance(mixed, bool) or mixed < 0:
             raise ConfigError(f"{flag('max_mixed_prefill_tokens')}: {mixed!r} must be an integer >= 0 (0: no bound).")
 
+        if self.max_logprobs < -1:
+            raise ConfigError(f"{flag('max_logprobs')}: {self.max_logprobs} must be >= 0, or -1 for the vocabulary's "
+                              f"size.")
+        max_logprobs = m.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, m.vocab_size)
+
         capture = parse_size(self.max_cudagraph_capture_size, "max_cudagraph_capture_size")
         if capture is None:
             capture = 512
@@ -425,7 +431,7 @@ class EngineArgs:
             args=self, source=source, model=model_config, device=device, dtype=dtype, kv_dtype=kv_dtype,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
             max_mixed_prefill_tokens=mixed if self.enable_chunked_prefill else 0, kv_cache_memory=kv_cache_memory,
-            generation=generation, max_cudagraph_capture_size=min(capture, batched),
+            generation=generation, max_cudagraph_capture_size=min(capture, batched), max_logprobs=max_logprobs,
         )
 
     def _resolve_device(self) -> torch.device:
@@ -484,6 +490,7 @@ class EngineConfig:
     kv_cache_memory: int | None
     generation: GenerationDefaults
     max_cudagraph_capture_size: int  # the largest step with prompt tokens that replays a graph (0: none)
+    max_logprobs: int  # the most top logprobs a request may ask for a token (at most the vocabulary)
 
     @property
     def block_size(self) -> int:

@@ -64,10 +64,10 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise bad("repetition_penalty", "must be positive and finite")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "must be in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise bad("prompt_logprobs", "must be in [0, 20]")
+        if self.logprobs is not None and self.logprobs < 0:  # the engine's --max-logprobs caps them
+            raise bad("logprobs", "must be non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", "must be non-negative")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise bad("stop", "must be a string or a list of strings")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import ConfigError, InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +139,24 @@ def test_logprobs(llm):
     assert math.isclose(o.cumulative_logprob, total, rel_tol=1e-6)
 
 
+def test_max_logprobs_caps_what_a_request_may_ask(llm):
+    """vLLM's --max-logprobs (default 20; -1: the vocabulary): above it a request is refused by name."""
+    with pytest.raises(InvalidRequestError, match="21 logprobs a token.*at most 20.*--max-logprobs") as e:
+        llm.generate(["Hello"], SamplingParams(max_tokens=2, logprobs=21), use_tqdm=False)
+    assert e.value.param == "logprobs"
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs") as e:
+        llm.generate(["Hello"], SamplingParams(max_tokens=2, prompt_logprobs=21), use_tqdm=False)
+    wide = LLM("tiny", kv_cache_memory="8MiB", max_model_len=256, max_logprobs=-1)
+    vocab = wide.engine.config.model.vocab_size
+    assert wide.engine.config.max_logprobs == vocab
+    o = wide.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2, logprobs=vocab, prompt_logprobs=40),
+                      use_tqdm=False)[0]
+    assert [len(e) for e in o.outputs[0].logprobs] == [vocab, vocab]  # the sampled token is among them
+    assert all(len(e) in (40, 41) for e in o.prompt_logprobs[1:])
+    with pytest.raises(ConfigError, match=r"\(--max-logprobs\): -2 must be >= 0"):
+        LLM("tiny", kv_cache_memory="8MiB", max_model_len=256, max_logprobs=-2)
+
+
 def test_chat_applies_template(llm):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
@@ -160,7 +178,7 @@ def test_chat_applies_template(llm):
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
-    (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(logprobs=50), "logprobs"),
+    (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(logprobs=-1), "logprobs"),
     (dict(n=0), "n"), (dict(stop=[""]), "stop"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={5: 101}), "logit_bias"),
     (dict(logit_bias={-1: 1}), "logit_bias"),

@@ -111,6 +111,7 @@ def _error(resp: httpx.Response, status: int) -> dict:
     ({"prompt": "Hello", "logit_bias": {"999999": 1}}, "logit_bias", ["999999"]),
     ({"prompt": [999999]}, "prompt", ["Token ids"]),
     ({"max_tokens": 3}, "prompt", ["prompt"]),
+    ({"prompt": "Hello", "logprobs": 21}, "logprobs", ["21", "at most 20", "--max-logprobs"]),
     ({"prompt": "Hello", "max_tokens": "many"}, "max_tokens", ["max_tokens"]),
 ])
 def test_bad_completion_requests_get_400(server, body, param, fragments):
@@ -127,6 +128,9 @@ def test_bad_chat_and_malformed_json_get_400(server):
     _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": []}), 400)
     _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                            "top_logprobs": 3}), 400)
+    err = _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                 "logprobs": True, "top_logprobs": 21}), 400)
+    assert "--max-logprobs" in err["message"]
     err = _error(httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "model": "gpt-4"}), 404)
     assert err["type"] == "NotFoundError" and err["param"] == "model" and "gpt-4" in err["message"]
     with pytest.raises(openai.NotFoundError) as e:  # as OpenAI and vLLM answer an unknown model

@@ -210,7 +210,7 @@ class ModelRunner:
         hidden = self.model(ids, positions, scratch, meta)
         last = torch.tensor(np.cumsum(lens) - 1, device=self.device)
         logits = self.model.compute_logits(hidden[last])
-        sample(logits, self._dummy_sampling(seqs, filtered=True, num_logprobs=5))
+        sample(logits, self._dummy_sampling(seqs, filtered=True, num_logprobs=self.config.max_logprobs))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         free, total = torch.cuda.mem_get_info(self.device)

@@ -154,7 +154,7 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(default=16, ge=0)  # 0: only with echo (the prompt's logprobs)
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    logprobs: StrictInt | None = Field(default=None, ge=0)  # up to the server's --max-logprobs
     echo: StrictBool = False  # the prompt comes back ahead of the completion, with its logprobs if asked
 
     def prompts(self) -> list[str | list[int]]:
@@ -258,7 +258,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0)  # up to the server's --max-logprobs
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template: StrictStr | None = None
