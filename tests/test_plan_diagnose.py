@@ -155,6 +155,17 @@ def test_diagnose_queueing_at_the_sequence_cap():
             for i in range(8)]
     d = diagnose(series(rows), max_num_seqs=16)
     assert d.situation == 3 and "raise --max-num-seqs" in d.first_change
+    # a pagedserve server reports its limits in force: no flags needed to place the queue at the cap
+    samples = series(rows)
+    for s in samples:
+        s.update(parse_sample('pagedserve:max_num_seqs{engine="0"} 16\n'
+                              'pagedserve:max_num_batched_tokens{engine="0"} 4096\n', s["t"]))
+    d = diagnose(samples)
+    assert d.situation == 3 and "raise --max-num-seqs" in d.first_change
+    assert "limits in force at the last scrape (the server's /metrics): --max-num-seqs 16, " \
+           "--max-num-batched-tokens 4096" in d.text()
+    d = diagnose(samples, max_num_seqs=64)  # a flag given wins: below its cap the token budget is the bound
+    assert "token budget" in d.title
 
 
 def test_diagnose_token_budget_bound():
@@ -196,6 +207,7 @@ def test_diagnose_cli_against_a_running_server(capsys):
         main(["diagnose", "--url", url, "--window", "1", "--interval", "0.5", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["situation"] is None and out["evidence"]
+    assert any(e.startswith("limits in force") and "--max-num-seqs" in e for e in out["evidence"])
     main(["diagnose", "--url", "http://127.0.0.1:9", "--window", "0", "--json"])
     down = json.loads(capsys.readouterr().out)
     assert down["situation"] == 1 and "listens at http://127.0.0.1:9" in down["first_change"]

@@ -239,6 +239,8 @@ def test_a_flood_of_long_prompts_switches_to_protect_and_back(tmp_path):
         assert status["limits"]["max_num_seqs"] == 2 and status["limits"]["max_input_tokens"] == 100
         assert status["restart_settings"] == {"kv_cache_dtype": "fp8"}
         assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (2, 256)
+        m = metric_values(url)  # what dashboards and diagnose see
+        assert (m["pagedserve:max_num_seqs"], m["pagedserve:max_num_batched_tokens"]) == (2, 256)
         # over protect's cap but within normal's: 503 with Retry-After, naming the limit and the profile
         shed = _complete(url, [9] * 150)
         assert shed.status_code == 503 and int(shed.headers["retry-after"]) >= 1
@@ -261,6 +263,7 @@ def test_a_flood_of_long_prompts_switches_to_protect_and_back(tmp_path):
         text = httpx.get(f"{url}/metrics").text
         assert 'pagedserve:profile_active{engine="0",model_name="tiny",profile="normal"} 1.0' in text
         assert 'pagedserve:profile_switches_total{engine="0",model_name="tiny",profile="protect"} 1.0' in text
+        assert 'pagedserve:max_num_seqs{engine="0",model_name="tiny"} 8.0' in text  # normal's limits in force
         assert wait_until(lambda: app.state.engine.num_in_flight == 0)
 
 

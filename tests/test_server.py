@@ -256,6 +256,7 @@ def test_metrics_counters_move(server, client):
                  "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
                  "pagedserve:device_memory_used_bytes", "pagedserve:device_memory_peak_bytes"):
         assert name in before, name
+    assert before["pagedserve:max_num_seqs"] == 16 and before["pagedserve:max_num_batched_tokens"] > 0
     c = client.completions.create(model="tiny", prompt="Hello world", max_tokens=7, temperature=0,
                                   extra_body={"ignore_eos": True})
     after = metric_values(url)

@@ -101,6 +101,12 @@ class _EngineCollector:
         yield self._family(g, "vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
         yield self._family(g, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
         yield self._family(g, "vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", stats.kv_cache_usage)
+        sched = core.scheduler
+        yield self._family(g, "pagedserve:max_num_seqs", "Requests one step may hold, as in force now "
+                           "(--max-num-seqs, or the active degradation profile's).", sched.max_num_seqs)
+        yield self._family(g, "pagedserve:max_num_batched_tokens", "Tokens one step may process, as in force now "
+                           "(--max-num-batched-tokens, or the active degradation profile's).",
+                           sched.max_num_batched_tokens)
         yield self._family(c, "vllm:num_preemptions", "Cumulative preemptions.", counters.num_preemptions)
         yield self._family(c, "vllm:prompt_tokens", "Prefill tokens processed.", counters.prompt_tokens)
         yield self._family(c, "vllm:generation_tokens", "Tokens generated.", counters.generation_tokens)

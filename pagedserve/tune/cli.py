@@ -146,9 +146,11 @@ def add_tune_parsers(sub) -> None:
     d.add_argument("--window", type=float, default=10.0, help="Seconds to watch.")
     d.add_argument("--interval", type=float, default=1.0, help="Seconds between scrapes.")
     d.add_argument("--max-num-seqs", type=int, default=None,
-                   help="The server's --max-num-seqs, to tell queueing at the cap from the token budget.")
+                   help="The server's --max-num-seqs, to tell queueing at the cap from the token budget "
+                        "(default: what a pagedserve server reports in force; give it for vLLM).")
     d.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="The server's --max-num-batched-tokens, to show how full its steps run.")
+                   help="The server's --max-num-batched-tokens, to show how full its steps run (default: as "
+                        "for --max-num-seqs).")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_diagnose)
 

@@ -36,6 +36,8 @@ _NAMES = {
     "vllm:iteration_tokens_total_sum": "step_tokens_sum",
     "vllm:iteration_tokens_total_count": "step_tokens_count",
     "pagedserve:device_wait_seconds_total": "device_wait",
+    "pagedserve:max_num_seqs": "max_num_seqs",
+    "pagedserve:max_num_batched_tokens": "max_num_batched_tokens",
 }
 
 
@@ -66,7 +68,8 @@ def _mean(samples, key_sum, key_count) -> float | None:
 def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, url: str = "URL",
              unreachable: str | None = None, max_num_batched_tokens: int | None = None) -> Diagnosis:
     """Classify a window of scrapes (oldest first). An empty list means the server could not be read
-    (``unreachable``: why the last scrape failed). The server's limits, where given, place its peaks."""
+    (``unreachable``: why the last scrape failed). The server's limits place its peaks: as given, else as a
+    pagedserve server reports them in force (its profile's, when it switches)."""
     if not samples:
         return Diagnosis(1, "start-up failure: the server does not answer /metrics",
                          f"check that the server runs and listens at {url}; if it exited, read its start-up log: it "
@@ -75,6 +78,12 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
                          [f"no metrics could be scraped from {url}/metrics"
                           + (f" (last try: {unreachable})" if unreachable else "")])
     first, last = samples[0], samples[-1]
+    reported = [f"--{k.replace('_', '-')} {int(last[k])}" for k in ("max_num_seqs", "max_num_batched_tokens")
+                if k in last]
+    if max_num_seqs is None and "max_num_seqs" in last:
+        max_num_seqs = int(last["max_num_seqs"])
+    if max_num_batched_tokens is None and "max_num_batched_tokens" in last:
+        max_num_batched_tokens = int(last["max_num_batched_tokens"])
     preempted = last.get("preemptions", 0.0) - first.get("preemptions", 0.0)
     kv_peak = max(s.get("kv_usage", 0.0) for s in samples)
     waiting_peak = max(s.get("waiting", 0.0) for s in samples)
@@ -87,6 +96,8 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
     evidence = [f"window {last['t'] - first['t']:.1f} s, {len(samples)} scrapes",
                 f"preemptions in the window: {preempted:.0f}; peak KV-cache usage {100 * kv_peak:.1f} %",
                 f"peak running {running_peak:.0f}, peak waiting {waiting_peak:.0f}"]
+    if reported:
+        evidence.append(f"limits in force at the last scrape (the server's /metrics): {', '.join(reported)}")
     for name, a, b in (("TTFT", ttft_early, ttft_late), ("ITL", itl_early, itl_late)):
         if a is not None and b is not None:
             evidence.append(f"mean {name} {1000 * a:.1f} ms -> {1000 * b:.1f} ms (first half -> second half)")
