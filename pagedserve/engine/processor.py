@@ -153,7 +153,7 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             if asked is not None and asked > most:
-                raise InvalidRequestError(name, f"{asked} {name} a token were asked for; this server returns at most "
+                raise InvalidRequestError(name, f"Asked for {asked} {name} a token; this server returns at most "
                                                 f"{most} (start it with a larger --max-logprobs to allow more).")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError("logit_bias", f"logit_bias names token {max(params.logit_bias)}; token ids "
