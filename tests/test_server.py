@@ -131,6 +131,8 @@ def test_bad_chat_and_malformed_json_get_400(server):
     err = _error(httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                                  "logprobs": True, "top_logprobs": 21}), 400)
     assert "--max-logprobs" in err["message"]
+    err = _error(httpx.post(f"{url}/v1/embeddings", json={"input": "Hello"}), 404)  # a route it does not serve
+    assert err["message"].startswith("No route /v1/embeddings; this server's OpenAI routes are /v1/chat/completions")
     err = _error(httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "model": "gpt-4"}), 404)
     assert err["type"] == "NotFoundError" and err["param"] == "model" and "gpt-4" in err["message"]
     with pytest.raises(openai.NotFoundError) as e:  # as OpenAI and vLLM answer an unknown model

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -171,8 +172,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     if settings.cors is not None:  # the outermost: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, **settings.cors)
 
-    app.include_router(openai.router)
-    app.include_router(responses.router)
-    app.include_router(ops.router)
-    app.include_router(admin.router)
+    for router in (openai.router, responses.router, ops.router, admin.router):
+        app.include_router(router)
+    # named in the 404 of a client that calls a route this server lacks (e.g. /v1/embeddings)
+    app.state.openai_routes = sorted({re.sub(r":\w+}", "}", r.path) for router in (openai.router, responses.router)
+                                      for r in router.routes if r.path.startswith("/v1/")})
     return app
