@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import re
 import subprocess
 import sys
@@ -29,9 +30,10 @@ from pagedserve.model.cuda_gemv import _KERNEL, _SOURCE, CudaGemv
 INSTALL = "pip install 'nvidia-cuda-nvrtc>=13'"
 
 
+@functools.cache
 def cuda_tools() -> tuple[ctypes.CDLL, Path]:
     """NVRTC from CUDA's wheel (namespace package ``nvidia``); cuobjdump from CUDA's wheel where installed, else
-    the one Triton ships for its own kernels."""
+    the one Triton ships for its own kernels (found and loaded once a process)."""
     try:
         import nvidia
     except ImportError:

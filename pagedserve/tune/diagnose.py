@@ -78,12 +78,11 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
                          [f"no metrics could be scraped from {url}/metrics"
                           + (f" (last try: {unreachable})" if unreachable else "")])
     first, last = samples[0], samples[-1]
-    reported = [f"--{k.replace('_', '-')} {int(last[k])}" for k in ("max_num_seqs", "max_num_batched_tokens")
-                if k in last]
-    if max_num_seqs is None and "max_num_seqs" in last:
-        max_num_seqs = int(last["max_num_seqs"])
-    if max_num_batched_tokens is None and "max_num_batched_tokens" in last:
-        max_num_batched_tokens = int(last["max_num_batched_tokens"])
+    reported = {k: int(last[k]) for k in ("max_num_seqs", "max_num_batched_tokens") if k in last}
+    if max_num_seqs is None:
+        max_num_seqs = reported.get("max_num_seqs")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = reported.get("max_num_batched_tokens")
     preempted = last.get("preemptions", 0.0) - first.get("preemptions", 0.0)
     kv_peak = max(s.get("kv_usage", 0.0) for s in samples)
     waiting_peak = max(s.get("waiting", 0.0) for s in samples)
@@ -97,7 +96,8 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
                 f"preemptions in the window: {preempted:.0f}; peak KV-cache usage {100 * kv_peak:.1f} %",
                 f"peak running {running_peak:.0f}, peak waiting {waiting_peak:.0f}"]
     if reported:
-        evidence.append(f"limits in force at the last scrape (the server's /metrics): {', '.join(reported)}")
+        evidence.append("limits in force at the last scrape (the server's /metrics): "
+                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in reported.items()))
     for name, a, b in (("TTFT", ttft_early, ttft_late), ("ITL", itl_early, itl_late)):
         if a is not None and b is not None:
             evidence.append(f"mean {name} {1000 * a:.1f} ms -> {1000 * b:.1f} ms (first half -> second half)")
