@@ -212,3 +212,24 @@ def test_every_gemv_variant_compiles_for_hopper_with_its_wait_after_its_first_we
         assert rows and all(ok and registers is not None for _, ok, _, registers, _ in rows), (name, rows)
         if "0.6B" not in name:
             assert all(stack == 0 for *_, stack in rows), (name, rows)
+
+
+def test_the_tensor_core_candidate_adds_its_slices_of_k_once_a_call():
+    """benchmarks/kernels/gemv.py --dot: each tile's last slice of K to finish adds the others' sums, and sets the
+    tile's count back, so that a second call (a graph's next replay) adds them again. fp16: the interpreter's bf16
+    dot is not exact."""
+    from benchmarks.kernels.gemv import DotConfig, gemv_dot
+
+    torch.manual_seed(0)
+    w = torch.randn((80, 256), dtype=torch.float16)  # 16-row tiles all whole; of 32 or 64 rows, the last partial
+    for m in (3, 16):
+        x = torch.randn((m, 256), dtype=torch.float16)
+        ref = F.linear(x.float(), w.float())
+        for cfg in (DotConfig(16, 32, 4, 2, split_k=1), DotConfig(16, 32, 4, 2, split_k=4),
+                    DotConfig(64, 64, 4, 2, split_k=2, w_first=True), DotConfig(32, 64, 4, 2, split_k=2, tma=True)):
+            for _ in range(2):
+                y = gemv_dot(x, w, cfg)
+                assert y.shape == (m, 80)
+                assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-3, cfg
+    assert not DotConfig(32, 256, split_k=4).takes(4096, 512) and DotConfig(32, 128, split_k=4).takes(4096, 512)
+    assert not DotConfig(32, 64, w_first=True).takes(4096, 4096)  # a warpgroup MMA's 64 rows at least
