@@ -11,8 +11,8 @@ alternative to re-run on a newer Triton or GPU.
 python -m benchmarks.kernels.gemv [--quick] [--no-sweep]
 python -m benchmarks.kernels.gemv --cuda [--rows 1,2,4,8,16]   # the model's CUDA GEMV (model/gemv.cu) against
     cuBLAS instead, at each row count of x (the engine's GEMV takes 1 and 2; more rows run here all the same)
-python -m benchmarks.kernels.gemv --dot --rows 4,8,16   # a Triton tensor-core kernel (split over K where its
-    tiles are too few to fill the GPU) against cuBLAS at each row count, each tile shape and a step's worth
+python -m benchmarks.kernels.gemv --dot --rows 4,8,16   # the engine's tensor-core kernel for 3-16 rows
+    (model/mma_gemv.py) against cuBLAS at each row count: each tile shape, and a step's worth
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from benchmarks.args import positives
 from benchmarks.kernels.harness import graph_ms, kernel_ms, per_call_us
+from pagedserve.model.mma_gemv import Tile, mma_gemv, tile_for
 
 
 
@@ -112,108 +113,24 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 LAYERS = 36
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemv_dot(X, W, Out, Part, Count, M, N, K, stride_xm, stride_wn, stride_om,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, W_FIRST: tl.constexpr,
-              TMA: tl.constexpr):
-    """The tensor-core alternative: x padded to 16 rows, one tl.dot per W tile (W tiles pipelined through
-    shared memory). Program (n, s) takes rows [n * BLOCK_N, (n + 1) * BLOCK_N) of W over the s-th of SPLIT_K
-    slices of K, so that a few wide tiles still fill the GPU; the last slice of a tile to finish (an atomic
-    count a tile, set back to 0 for the next call) adds the others' fp32 sums to its own and writes the tile.
-    W_FIRST: W is the dot's left operand ([BLOCK_N, BLOCK_K] x [BLOCK_K, 16]: Hopper's warpgroup MMA takes it
-    from 64 rows up) rather than x. TMA: X and W are tensor descriptors, whose tiles the copy engine brings
-    into shared memory (rows of x past M read as zeros)."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ms = tl.arange(0, 16)
-    ks = tl.arange(0, BLOCK_K)
-    span = K // SPLIT_K
-    acc = tl.zeros([BLOCK_N, 16] if W_FIRST else [16, BLOCK_N], tl.float32)
-    for k0 in range(split * span, (split + 1) * span, BLOCK_K):
-        if TMA:
-            x = X.load([0, k0])
-            w = W.load([pid * BLOCK_N, k0])
-        else:
-            x = tl.load(X + ms[:, None] * stride_xm + k0 + ks[None, :], mask=(ms < M)[:, None], other=0.0)
-            w = tl.load(W + rows[:, None].to(tl.int64) * stride_wn + k0 + ks[None, :], mask=(rows < N)[:, None],
-                        other=0.0)
-        if W_FIRST:
-            acc = tl.dot(w, tl.trans(x), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    y = tl.trans(acc) if W_FIRST else acc  # [16, BLOCK_N]
-    out_mask = (ms < M)[:, None] & (rows < N)[None, :]
-    if SPLIT_K > 1:
-        tile = ms[:, None] * N + rows[None, :]
-        tl.store(Part + split * 16 * N + tile, y, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial sums stored before the count releases them
-        if tl.atomic_add(Count + pid, 1, sem="acq_rel") == SPLIT_K - 1:
-            for other in tl.static_range(SPLIT_K):
-                if other != split:
-                    y += tl.load(Part + other * 16 * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(Out + ms[:, None] * stride_om + rows[None, :], y.to(Out.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(Count + pid, 0)
-    else:
-        tl.store(Out + ms[:, None] * stride_om + rows[None, :], y.to(Out.dtype.element_ty), mask=out_mask)
-
-
-@dataclass(frozen=True)
-class DotConfig(GemvConfig):
-    split_k: int = 1
-    w_first: bool = False
-    tma: bool = False
-
-    def takes(self, n: int, k: int) -> bool:
-        return k % (self.split_k * self.block_k) == 0 and (not self.w_first or self.block_n >= 64)
-
-
-_workspace: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def gemv_dot(x: torch.Tensor, w: torch.Tensor, cfg: DotConfig) -> torch.Tensor:
-    """``F.linear(x, w)`` for x of at most 16 rows on the tensor cores."""
-    m, k = x.shape
-    n = w.shape[0]
-    assert m <= 16 and cfg.takes(n, k) and x.stride(0) == w.stride(0) == k
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(n, cfg.block_n)
-    key = (n, cfg.split_k, cfg.block_n, x.device)
-    if cfg.split_k > 1 and key not in _workspace:  # one per shape, kept: a graph replays the same buffers
-        _workspace[key] = (torch.empty((cfg.split_k, 16, n), dtype=torch.float32, device=x.device),
-                           torch.zeros(tiles, dtype=torch.int32, device=x.device))
-    part, count = _workspace.get(key, (out, out))
-    if cfg.tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x = TensorDescriptor.from_tensor(x, [16, cfg.block_k])
-        w = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    _gemv_dot[(tiles, cfg.split_k)](x, w, out, part, count, m, n, k, k, k, out.stride(0),
-                                    BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                                    W_FIRST=cfg.w_first, TMA=cfg.tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
-
-
-def dot_configs() -> list[DotConfig]:
-    """The tensor-core tiles compared at 4-16 rows of x."""
-    plain = [DotConfig(bn, bk, 4, 4, sk) for bn in (16, 32) for bk in (128, 256) for sk in (1, 2, 4)]
-    wide = [DotConfig(bn, bk, 4, 4, sk, True) for bn in (64, 128) for bk in (64, 128) for sk in (1, 2, 4)]
-    tma = [DotConfig(bn, 64, 4, st, sk, wf, True) for bn, wf in ((32, False), (64, True), (128, True))
-           for st in (4, 6) for sk in (1, 2, 4)]
-    return plain + wide + tma
+def dot_tiles() -> list[Tile]:
+    """The tensor-core tiles compared at 3-16 rows of x (the engine's two among them)."""
+    narrow = [Tile(rows, k, stages=st) for rows in (16, 32) for k in (128, 256) for st in (3, 4)]
+    wide = [Tile(rows, k, True, st) for rows in (64, 128) for k in (64, 128) for st in (3, 4)]
+    return narrow + wide
 
 
 def configs(quick: bool):
     elem = [("elem", GemvConfig(bn, bk, w, s)) for bn in (4, 8, 16) for bk in (256, 512, 1024)
             for w in (4, 8) for s in (2, 3)]
-    dot = [("dot", DotConfig(bn, bk, 4, s)) for bn in (16, 32, 64) for bk in (128, 256) for s in (3, 4, 6)]
+    dot = [("dot", Tile(rows, k, stages=st)) for rows in (16, 32, 64) for k in (128, 256) for st in (3, 4, 6)]
     if quick:
         return [("elem", DEFAULT)]
     return elem + dot
 
 
 def run(kind, x, w, cfg):
-    return gemv(x, w, config=cfg) if kind == "elem" else gemv_dot(x, w, cfg)
+    return gemv(x, w, config=cfg) if kind == "elem" else mma_gemv(x, w, tile=cfg)
 
 
 def sweep(quick: bool) -> dict[str, tuple[str, GemvConfig]]:
@@ -227,7 +144,7 @@ def sweep(quick: bool) -> dict[str, tuple[str, GemvConfig]]:
         t_cublas = kernel_ms(lambda: F.linear(x, w))
         rows = []
         for kind, cfg in configs(quick):
-            if k % cfg.block_k:  # a DotConfig's own rule is the same at one slice of K
+            if k % (cfg.block_k if kind == "elem" else cfg.k):
                 continue
             y = run(kind, x, w, cfg)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -338,13 +255,14 @@ def cuda_report(row_counts: list[int]) -> None:
 
 
 def dot_report(row_counts: list[int]) -> None:
-    """The tensor-core candidate against cuBLAS at each row count: every tile shape on each projection (distinct
-    weights back to back in a graph), then a whole step's projections with each shape's fastest tile."""
+    """The engine's tensor-core kernel for 3-16 rows (model/mma_gemv.py) against cuBLAS at each row count: every
+    tile on each projection (distinct weights back to back in a graph), then a whole step's projections with the
+    engine's tile for each shape and with each shape's fastest."""
     dev = torch.device("cuda")
     weights, head = step_weights()
     for m in row_counts:
         print(f"\n== {m} rows of x, tensor cores")
-        best: dict[str, DotConfig] = {}
+        best: dict[str, Tile] = {}
         for name, (n, k) in SHAPES.items():
             count = 4 if name == "lm_head" else LAYERS
             ws = [torch.empty((n, k), device=dev, dtype=torch.bfloat16).normal_(0, 0.02) for _ in range(count)]
@@ -353,25 +271,22 @@ def dot_report(row_counts: list[int]) -> None:
             nbytes = n * k * 2
             t_cublas = per_call_us(lambda i: F.linear(x, ws[i]), count)
             rows = []
-            for cfg in dot_configs():
-                if not cfg.takes(n, k):
+            for tile in dot_tiles():
+                if k % tile.k:
                     continue
-                try:
-                    err = ((gemv_dot(x, ws[0], cfg).float() - ref).abs().max() / ref.abs().max()).item()
-                except Exception as e:  # a tile this Triton cannot build: named, and the rest still run
-                    print(f"  {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                    continue
-                rows.append((per_call_us(lambda i, cfg=cfg: gemv_dot(x, ws[i], cfg), count), cfg, err))
+                err = ((mma_gemv(x, ws[0], tile=tile).float() - ref).abs().max() / ref.abs().max()).item()
+                rows.append((per_call_us(lambda i, tile=tile: mma_gemv(x, ws[i], tile=tile), count), tile, err))
             rows.sort(key=lambda r: r[0])
             best[name] = rows[0][1]
-            print(f"{name} [{n} x {k}]: cuBLAS {t_cublas:6.2f} us ({nbytes / t_cublas / 1e6:.2f} TB/s)")
-            for t, cfg, err in rows[:3] + rows[-1:]:
-                print(f"  {cfg}: {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s, err {err:.1e})")
-        ms, nbytes = step_graph(m, lambda name, x, w: F.linear(x, w), weights, head)
-        print(f"step's projections at {m} rows, cuBLAS: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
-        ms, nbytes = step_graph(m, lambda name, x, w: gemv_dot(x, w, best[name]), weights, head)
-        print(f"step's projections at {m} rows, tensor cores (each shape's fastest tile): {ms:.3f} ms, "
-              f"{nbytes / ms / 1e9:.2f} TB/s")
+            print(f"{name} [{n} x {k}]: cuBLAS {t_cublas:6.2f} us ({nbytes / t_cublas / 1e6:.2f} TB/s); "
+                  f"the engine's tile {tile_for(n, k)}")
+            for t, tile, err in rows:
+                print(f"  {tile}: {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s, err {err:.1e})")
+        for label_, fn in (("cuBLAS", lambda name, x, w: F.linear(x, w)),
+                           ("tensor cores, the engine's tiles", lambda name, x, w: mma_gemv(x, w)),
+                           ("tensor cores, each shape's fastest tile", lambda name, x, w: mma_gemv(x, w, tile=best[name]))):
+            ms, nbytes = step_graph(m, fn, weights, head)
+            print(f"step's projections at {m} rows, {label_}: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
 
 
 def main() -> None:
