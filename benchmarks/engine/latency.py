@@ -42,9 +42,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gemv", default="", help="comma-separated kernels for the projections of decode steps of one or "
-                    "two sequences (and of 3-16 on the tensor cores): cublas, or cuda with -unfused (norms as kernels of "
-                    "their own) and/or -nopdl (plain launches), -fixed (WARPS for every shape), -rows1 (one sequence's "
-                    "steps alone; two on the tensor-core kernel), -nomma (3-16 rows on cuBLAS) "
+                    "two sequences: cublas, or cuda with -unfused (norms as kernels of their own) and/or -nopdl (plain "
+                    "launches), -fixed (WARPS for every shape), -rows1 (one sequence's steps alone; more on cuBLAS) "
                     "and :WARPSxUNROLL to measure one after another, decode graphs captured again for each")
     ap.add_argument("--decode-segments", default="",
                     help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")
@@ -57,7 +56,8 @@ def main() -> None:
     ap.add_argument("--o-proj-staged", type=on_off, help="comma-separated on/off: o_proj's weights copied into "
                     "shared memory while one sequence's attention runs, with that attention's first key tile "
                     "prefetched into L2 (on, the default on sm_90+), or neither (off); crossed with the rest")
-    ap.add_argument("--profile", action="store_true", help="also print a kernel profile of bs=1 graph replays")
+    ap.add_argument("--profile", type=int, nargs="?", const=1, metavar="BS",
+                    help="also print a kernel profile of the decode graph replays of BS sequences (default 1)")
     ns = ap.parse_args()
     llm = LLM(ns.model, load_format="dummy", dtype=ns.dtype, max_model_len=ns.input_len + ns.output_len + 16,
               gpu_memory_utilization=ns.gpu_memory_utilization, max_num_seqs=16)
@@ -80,7 +80,7 @@ def main() -> None:
             recapture(core.worker.runner, gemv, segs, fuse, pdl, staged)
         measure(llm, ns.input_len, ns.output_len, ns.repeats, seed=k + 1)  # prompts no earlier setting cached
         if ns.profile:
-            profile_replays(core.worker.runner)
+            profile_replays(core.worker.runner, ns.profile)
         tokens = llm.generate([prompt], check, use_tqdm=False)[0].outputs[0].token_ids
         first = first or tokens
         if len(settings) > 1:
@@ -105,7 +105,6 @@ def recapture(runner, gemv: str | None, segs: int | None, fuse: bool | None, pdl
         CudaGemv.FUSE_NORM, CudaGemv.PDL = "unfused" not in gemv, "nopdl" not in gemv
         CudaGemv.WARP_CHOICES = () if "fixed" in gemv else WARP_CHOICES
         CudaGemv.ROWS = (1,) if "rows1" in gemv else ROWS
-        CudaGemv.MMA = "nomma" not in gemv
         if ":" in gemv:  # cuda:WARPSxUNROLL
             CudaGemv.WARPS, CudaGemv.UNROLL = map(int, gemv.split(":")[1].split("x"))
         use_gemv(runner.model, CudaGemv.build(runner.device) if gemv.startswith("cuda") else None)
@@ -158,16 +157,19 @@ def measure(llm, input_len: int, output_len: int, repeats: int, seed: int) -> No
           f"step's token, update, detokenize) {(step_wall - np.mean(phases['schedule']) - execute) * 1e3:.3f} ms")
 
 
-def profile_replays(runner, reps: int = 20) -> None:
-    """Kernel-level profile of bs=1 decode graph replays (kernels inside a graph are traced one by one)."""
+def profile_replays(runner, bs: int, reps: int = 20) -> None:
+    """Kernel-level profile of the decode graph replays of ``bs`` sequences (kernels inside a graph are traced one
+    by one)."""
     from torch.profiler import ProfilerActivity, profile
 
-    replay = runner._graphs[1][0]
+    if bs not in runner._graphs:
+        sys.exit(f"--profile {bs}: no decode graph of that size (sizes: {sorted(runner._graphs)})")
+    replay = runner._graphs[bs][0]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             replay()
         torch.cuda.synchronize()
-    print(f"\n== kernels of {reps} bs=1 decode graph replays")
+    print(f"\n== kernels of {reps} bs={bs} decode graph replays")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
 
 
