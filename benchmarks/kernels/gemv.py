@@ -176,7 +176,7 @@ def mma_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, tile
 
 
 def dot_tiles() -> list[Tile]:
-    """The tensor-core tiles compared at 3-16 rows of x (the engine's two among them)."""
+    """The tensor-core tiles compared at 3-16 rows of x (b007179's two among them)."""
     narrow = [Tile(rows, k, stages=st) for rows in (16, 32) for k in (128, 256) for st in (3, 4)]
     wide = [Tile(rows, k, True, st) for rows in (64, 128) for k in (64, 128) for st in (3, 4)]
     return narrow + wide
@@ -195,7 +195,7 @@ def run(kind, x, w, cfg):
     return gemv(x, w, config=cfg) if kind == "elem" else mma_gemv(x, w, tile=cfg)
 
 
-def sweep(quick: bool) -> dict[str, tuple[str, GemvConfig]]:
+def sweep(quick: bool) -> dict[str, tuple[str, GemvConfig | Tile]]:
     dev = torch.device("cuda")
     best = {}
     for name, (n, k) in SHAPES.items():
