@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 
 from pagedserve.config import EngineArgs
-from pagedserve.errors import ConfigError
+from pagedserve.errors import ConfigError, option
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
             else:
                 group.add_argument("--model", default=f.default, help=help_text)
             continue
-        name = "--" + f.name.replace("_", "-")
+        name = option(f.name)
         kind = hints[f.name]
         if kind is bool:
             group.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
@@ -52,7 +52,7 @@ def engine_flags(args: EngineArgs) -> list[str]:
         value = getattr(args, f.name)
         if f.name == "model" or value == f.default:
             continue
-        name = "--" + f.name.replace("_", "-")
+        name = option(f.name)
         if isinstance(value, bool):
             flags.append(name if value else "--no-" + name[2:])
         else:

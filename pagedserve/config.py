@@ -20,14 +20,14 @@ from typing import Any
 import torch
 
 from pagedserve.checks import wrong_type
-from pagedserve.errors import ConfigError, InvalidRequestError
+from pagedserve.errors import ConfigError, InvalidRequestError, option
 from pagedserve.reasoning import REASONING_PARSERS
 from pagedserve.sampling_params import SamplingParams
 
 
 def flag(name: str) -> str:
     """``max_num_seqs`` -> ``max_num_seqs (--max-num-seqs)``: errors serve both API and CLI users."""
-    return f"{name} (--{name.replace('_', '-')})"
+    return f"{name} ({option(name)})"
 
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -513,5 +513,5 @@ class EngineConfig:
                                      ("max_num_batched_tokens", max_num_batched_tokens, self.max_num_batched_tokens)):
             if value > ceiling:
                 raise ConfigError(f"{flag(name)}: {value} is above the {ceiling} the engine started with, which its "
-                                  f"memory budget was profiled for; restart with --{name.replace('_', '-')} {value} "
+                                  f"memory budget was profiled for; restart with {option(name)} {value} "
                                   f"to allow it.")

@@ -2,6 +2,11 @@
 while running, and a benchmark that could not run against its server."""
 
 
+def option(name: str) -> str:
+    """``max_num_seqs`` -> ``--max-num-seqs``: the command-line flag of a setting, as messages name it."""
+    return "--" + name.replace("_", "-")
+
+
 class ConfigError(ValueError):
     """A configuration the engine cannot run; the message names the flag to change."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from pagedserve.errors import ConfigError
+from pagedserve.errors import ConfigError, option
 
 _RESERVED = ("--host", "--port")
 
@@ -59,7 +59,7 @@ def check_serve_flags(model: str, flags: list[str]) -> argparse.Namespace:
 
 def with_flag(flags: list[str], name: str, value: str) -> list[str]:
     """``flags`` with ``--name value`` set, replacing any earlier value of it."""
-    opt = "--" + name.replace("_", "-")
+    opt = option(name)
     out, skip = [], False
     for f in flags:
         if skip:

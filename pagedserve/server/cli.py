@@ -193,14 +193,14 @@ def build_server(ns: argparse.Namespace, worker=None):
     """The engine, the app and a configured uvicorn server (not yet running); ``worker`` as for
     ``EngineBase``."""
     from pagedserve.args import engine_args_from
-    from pagedserve.errors import ConfigError
+    from pagedserve.errors import ConfigError, option
     from pagedserve.server.app import build_app
     from pagedserve.server.state import ServerSettings
     from pagedserve.server.async_engine import AsyncEngine
 
     for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
         if getattr(ns, name) is not None and getattr(ns, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1.")
+            raise ConfigError(f"{option(name)} must be at least 1.")
     profiles = None
     if ns.profiles is not None:
         from pagedserve.tune.profiles import load_profiles
@@ -211,7 +211,7 @@ def build_server(ns: argparse.Namespace, worker=None):
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
         path = getattr(ns, name)
         if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"--{name.replace('_', '-')} {path}: no such file.")
+            raise ConfigError(f"{option(name)} {path}: no such file.")
     if ns.max_stored_responses < 0:
         raise ConfigError("--max-stored-responses must be zero (keep none) or more.")
     if ns.shutdown_timeout < 0:

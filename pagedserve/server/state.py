@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from pagedserve.errors import option
 from pagedserve.outputs import RequestOutput
 from pagedserve.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.server.errors import APIError, unavailable
@@ -73,7 +74,7 @@ class Admission:
         if ceiling is not None and own > ceiling:
             raise APIError(400, f"{detail}, but this server never admits more than {ceiling} ({limit}); "
                                 f"it can never be served here.", "BadRequestError", param)
-        where = f"the active profile '{self.profile}'" if self.profile else f"--{limit.replace('_', '-')}"
+        where = f"the active profile '{self.profile}'" if self.profile else option(limit)
         self.metrics.rejected[limit] = self.metrics.rejected.get(limit, 0) + n
         raise unavailable(f"{detail}, over the limit of {self.limits[limit]} that {where} sets ({limit}); "
                           f"retry later.", retry_after=round(self.retry_after()))

@@ -26,12 +26,12 @@ def cmd_plan(ns: argparse.Namespace) -> None:
 
 
 def cmd_diagnose(ns: argparse.Namespace) -> None:
-    from pagedserve.errors import ConfigError
+    from pagedserve.errors import ConfigError, option
     from pagedserve.tune.diagnose import diagnose, scrape_window
 
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(ns, name) is not None and getattr(ns, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(ns, name)}: give the server's value, at least 1 "
+            raise ConfigError(f"{option(name)} {getattr(ns, name)}: give the server's value, at least 1 "
                               f"(or leave it out for a pagedserve server, which reports it).")
     samples, failed = scrape_window(ns.url, ns.window, ns.interval)
     result = diagnose(samples, ns.max_num_seqs, ns.url.rstrip("/"), failed, ns.max_num_batched_tokens)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.bench.knee import HOST_BOUND
 from pagedserve.bench.metrics import KV_FULL, scrape
+from pagedserve.errors import option
 
 RISING = 1.5            # second-half mean latency over first-half mean that counts as "rising"
 
@@ -97,7 +98,7 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
                 f"peak running {running_peak:.0f}, peak waiting {waiting_peak:.0f}"]
     if reported:
         evidence.append("limits in force at the last scrape (the server's /metrics): "
-                        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in reported.items()))
+                        + ", ".join(f"{option(k)} {v}" for k, v in reported.items()))
     for name, a, b in (("TTFT", ttft_early, ttft_late), ("ITL", itl_early, itl_late)):
         if a is not None and b is not None:
             evidence.append(f"mean {name} {1000 * a:.1f} ms -> {1000 * b:.1f} ms (first half -> second half)")

@@ -5,6 +5,7 @@ how to return to normal; and what to look at first in each of the three failure 
 from __future__ import annotations
 
 from pagedserve.bench.report import summary_markdown
+from pagedserve.errors import option
 from pagedserve.tune.derive import Derivation
 from pagedserve.tune.profiles import SIGNAL_HELP
 
@@ -155,7 +156,7 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
     if protect.restart:
         add("")
         add("Manual steps (need a restart; never applied live): "
-            + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in protect.restart.items())
+            + ", ".join(f"{option(k)} {v}" for k, v in protect.restart.items())
             + f". Validate first: `pagedserve bench quality {model} --kv-cache-dtype fp8` compares greedy tokens, "
               "logprobs and perplexity against the 16-bit cache and prints a verdict.")
     add("")
