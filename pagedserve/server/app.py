@@ -172,9 +172,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     if settings.cors is not None:  # the outermost: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, **settings.cors)
 
-    for router in (openai.router, responses.router, ops.router, admin.router):
+    routers = (openai.router, responses.router, ops.router, admin.router)
+    for router in routers:
         app.include_router(router)
     # named in the 404 of a client that calls a route this server lacks (e.g. /v1/embeddings)
-    app.state.openai_routes = sorted({re.sub(r":\w+}", "}", r.path) for router in (openai.router, responses.router)
-                                      for r in router.routes if r.path.startswith("/v1/")})
+    app.state.openai_routes = sorted({re.sub(r":\w+}", "}", r.path) for router in routers for r in router.routes
+                                      if r.path.startswith("/v1/")})
     return app

@@ -80,8 +80,8 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):  # unknown routes (404), wrong methods (405)
         kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "HTTPError")
-        api = getattr(request.app.state, "openai_routes", [])
-        message = {404: f"No route {request.url.path}; this server's OpenAI routes are {', '.join(api)}.",
+        api = ", ".join(request.app.state.openai_routes)  # set by build_app, the one app these handlers serve
+        message = {404: f"No route {request.url.path}; this server's OpenAI routes are {api}.",
                    405: f"{request.method} is not allowed on {request.url.path}."}.get(e.status_code, str(e.detail))
         return error_response(APIError(e.status_code, message, kind, headers=getattr(e, "headers", None)))
 
