@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from pagedserve import LLM, SamplingParams
 from pagedserve.model import fused
 from pagedserve.model.cuda_gemv import CudaGemv
+from pagedserve.model.mma_gemv import tile_for
 from pagedserve.model.triton_attention import TritonAttentionBackend
 from tests.test_triton_attention import compare, read_path_error
 
@@ -59,6 +60,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     agreement("bf16, one request at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params), params)
     agreement("bf16, two requests at a time, CUDA GEMV vs cuBLAS", gemv_runs(prompts, params, 2), params)
+    agreement("bf16, twelve requests at a time, tensor-core GEMV vs cuBLAS", gemv_runs(prompts, params, 12), params)
     # rows with presence/frequency penalties, a repetition penalty, a logit bias (the newest token the
     # penalties count is taken on the device from the step in flight)
     penalized = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
@@ -170,6 +172,16 @@ def check_gemv() -> None:
             err = ((y.float() - ref).abs().amax(1) / ref.abs().amax(1)).max().item()  # the worst row's
             print(f"CUDA GEMV {m} rows [{n} x {k}]{' ' + kind if kind else ''}: rel err {err:.2e}"
                   f"{', residual equal' if same else ', residual DIFFERS'} {'OK' if err < 1e-2 and same else 'FAIL'}")
+
+
+    for m in (3, 4, 8, 16):  # the tensor-core kernel (mma_gemv) for a few rows, each tile it picks
+        for n, k in ((6144, 4096), (4096, 4096), (4096, 12288), (151936, 4096)):
+            w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
+            x = torch.randn((m, k), device=dev, dtype=torch.bfloat16)
+            ref = F.linear(x.float(), w.float())
+            err = ((gemv(x, w).float() - ref).abs().amax(1) / ref.abs().amax(1)).max().item()
+            print(f"tensor-core GEMV {m} rows [{n} x {k}] ({tile_for(n, k)}): "
+                  f"rel err {err:.2e} {'OK' if err < 1e-2 else 'FAIL'}")
 
 
 def check_sampler() -> None:

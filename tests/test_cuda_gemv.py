@@ -32,11 +32,15 @@ def test_takes_one_bf16_row_of_a_length_the_kernel_covers():
 
 
 def test_takes_the_row_counts_of_small_decode_graphs_while_x_fits_shared_memory(monkeypatch):
-    """Decode graphs of one and two sequences read each weight once; other row counts stay on cuBLAS, and so
-    do rows whose x would not fit the shared memory a CTA may opt in to."""
+    """Decode graphs of one and two sequences read each weight once in the CUDA GEMV, those of up to 16 in the
+    tensor-core kernel; more rows stay on cuBLAS, and so do rows whose x would not fit the shared memory a CTA
+    may opt in to."""
     g = CudaGemv(CPU)  # an H100's or H200's 227 KB off the GPU
     w = torch.zeros((6144, 4096), dtype=torch.bfloat16)
-    rows = [m for m in range(1, 17) if g.takes(torch.zeros((m, 4096), dtype=torch.bfloat16), w)]
+    rows = [m for m in range(1, 33) if g.takes(torch.zeros((m, 4096), dtype=torch.bfloat16), w)]
+    assert rows == list(range(1, 17))
+    monkeypatch.setattr(CudaGemv, "MMA", False)
+    rows = [m for m in range(1, 33) if g.takes(torch.zeros((m, 4096), dtype=torch.bfloat16), w)]
     assert rows == [1, 2]
     down = torch.zeros((4096, 12288), dtype=torch.bfloat16)  # 2 rows of 12,288 values: 48 KB
     assert g.takes(torch.zeros((2, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)
@@ -44,7 +48,7 @@ def test_takes_the_row_counts_of_small_decode_graphs_while_x_fits_shared_memory(
     assert not g.takes(torch.zeros((2, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)
     assert g.takes(torch.zeros((1, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)  # a static array
     monkeypatch.setattr(CudaGemv, "ROWS", (1,))
-    assert not g.takes(torch.zeros((2, 4096), dtype=torch.bfloat16), w)
+    assert not g.takes(torch.zeros((2, 4096), dtype=torch.bfloat16), w)  # (MMA off above)
 
 
 def test_variants_above_one_row_stage_x_in_dynamic_shared_memory(monkeypatch):
@@ -214,11 +218,10 @@ def test_every_gemv_variant_compiles_for_hopper_with_its_wait_after_its_first_we
             assert all(stack == 0 for *_, stack in rows), (name, rows)
 
 
-def test_the_tensor_core_candidate_matches_f_linear_with_and_without_silu_mul():
-    """benchmarks/kernels/gemv.py --dot under the interpreter, both tiles it gave the engine in b007179 (fp16: the
-    interpreter's bf16 dot is not exact); 3 and 16 rows, weights whose last tile is partial."""
-    from benchmarks.kernels.gemv import NARROW, WIDE, mma_gemv
-    from pagedserve.model import fused
+def test_the_tensor_core_kernel_matches_f_linear():
+    """model/mma_gemv.py under the interpreter, both of the engine's tiles (fp16: the interpreter's bf16 dot is
+    not exact); 3 and 16 rows, weights whose last tile is partial."""
+    from pagedserve.model.mma_gemv import NARROW, WIDE, mma_gemv
 
     torch.manual_seed(0)
     w = torch.randn((80, 512), dtype=torch.float16)
@@ -229,7 +232,21 @@ def test_the_tensor_core_candidate_matches_f_linear_with_and_without_silu_mul():
             y = mma_gemv(x, w, tile=tile)
             assert y.shape == (m, 80) and y.dtype == x.dtype
             assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-3, tile
-            gate_up = torch.randn((m, 1024), dtype=torch.float16)
-            ref = F.linear(fused.silu_mul(gate_up).float(), w.float())
-            y = mma_gemv(gate_up, w, silu_mul=True, tile=tile)
-            assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-3, tile
+
+
+def test_the_tensor_core_kernel_takes_wide_weights_of_a_few_rows():
+    """Which projections go to the tensor-core kernel, and with which tile; the norm and down_proj's silu-mul stay
+    kernels of their own there."""
+    from pagedserve.model.mma_gemv import NARROW, WIDE, tile_for
+
+    assert tile_for(6144, 4096) is WIDE and tile_for(151936, 4096) is WIDE and tile_for(24576, 4096) is WIDE
+    assert tile_for(4096, 4096) is NARROW and tile_for(4096, 12288) is NARROW
+    assert tile_for(2048, 1024) is None and tile_for(4096, 4000) is None  # too few rows; K not whole steps
+    g = CudaGemv(CPU)
+    down, x8 = torch.zeros((4096, 12288), dtype=torch.bfloat16), torch.zeros((8, 12288), dtype=torch.bfloat16)
+    assert g.takes(x8, down) and not g.takes(torch.zeros((8, 2 * 12288), dtype=torch.bfloat16), down, silu_mul=True)
+    assert not g.takes(x8.float(), down.float())  # fp32: cuBLAS, not a TF32 dot
+    assert not g.takes(torch.zeros((8, 2 * 12288), dtype=torch.bfloat16)[:, ::2], down)
+    w, nw = torch.zeros((6144, 4096), dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16)
+    x4 = torch.zeros((4, 4096), dtype=torch.bfloat16)
+    assert g.takes(x4, w) and not g.takes_norm(x4, None, nw, w)

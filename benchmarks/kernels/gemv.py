@@ -11,9 +11,8 @@ alternative to re-run on a newer Triton or GPU.
 python -m benchmarks.kernels.gemv [--quick] [--no-sweep]
 python -m benchmarks.kernels.gemv --cuda [--rows 1,2,4,8,16]   # the model's CUDA GEMV (model/gemv.cu) against
     cuBLAS instead, at each row count of x (the engine's GEMV takes 1 and 2; more rows run here all the same)
-python -m benchmarks.kernels.gemv --dot --rows 4,8,16   # a Triton tensor-core kernel for 3-16 rows against
-    cuBLAS at each row count: each tile shape, down_proj with silu-mul folded in, and a step's worth. The engine
-    took it for such steps in b007179 and gave them back to cuBLAS in the next commit (docs/lab-notes.md)
+python -m benchmarks.kernels.gemv --dot --rows 4,8,16   # the engine's tensor-core kernel for 3-16 rows
+    (model/mma_gemv.py) against cuBLAS at each row count: each tile shape, and a step's worth
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from benchmarks.args import positives
 from benchmarks.kernels.harness import graph_ms, kernel_ms, per_call_us
+from pagedserve.model.mma_gemv import Tile, mma_gemv, tile_for
 
 
 
@@ -113,70 +113,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 LAYERS = 36
 
 
-@dataclass(frozen=True)
-class Tile:
-    """A program's weight rows and reduction step of the tensor-core kernel; ``w_first``: W is the dot's left
-    operand ([rows, k] x [k, 16]), which Hopper's warpgroup MMA takes from 64 rows up, rather than x."""
-    rows: int
-    k: int
-    w_first: bool = False
-    stages: int = 4
-    warps: int = 4
-
-
-# the tiles the engine took for 3-16 rows in b007179: 64 rows on the warpgroup MMA where such tiles are ~100 or more
-# (q/k/v, gate/up, the LM head), else 32 rows with a longer step (o_proj, down_proj)
-WIDE, NARROW = Tile(64, 128, w_first=True), Tile(32, 256)
-
-
-def tile_for(n: int) -> Tile:
-    return WIDE if n >= 96 * WIDE.rows else NARROW
-
-
-@triton.jit(do_not_specialize=["M"])
-def _mma_gemv(X, W, Out, M, N, K, stride_xm, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              W_FIRST: tl.constexpr, SILU_MUL: tl.constexpr):
-    """Program n: Out[:M, rows of tile n] = x @ W[rows].T on the tensor cores, x padded to 16 rows with zeros,
-    one tl.dot a step of BLOCK_K (a divisor of K), the loads pipelined through shared memory by Triton.
-    SILU_MUL: a row of X is [gate | up] (2K values), rounded as fused.silu_mul rounds."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ms = tl.arange(0, 16)
-    ks = tl.arange(0, BLOCK_K)
-    x_ptr = X + ms[:, None] * stride_xm + ks[None, :]
-    w_ptr = W + rows[:, None].to(tl.int64) * K + ks[None, :]
-    acc = tl.zeros([BLOCK_N, 16] if W_FIRST else [16, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k0, mask=(ms < M)[:, None], other=0.0)
-        if SILU_MUL:
-            up = tl.load(x_ptr + K + k0, mask=(ms < M)[:, None], other=0.0)
-            gate = x.to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
-        w = tl.load(w_ptr + k0, mask=(rows < N)[:, None], other=0.0)
-        if W_FIRST:
-            acc = tl.dot(w, tl.trans(x), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    y = tl.trans(acc) if W_FIRST else acc
-    tl.store(Out + ms[:, None] * stride_om + rows[None, :], y.to(Out.dtype.element_ty),
-             mask=(ms < M)[:, None] & (rows < N)[None, :])
-
-
-def mma_gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, tile: Tile | None = None) -> torch.Tensor:
-    """``F.linear(x, weight)`` for up to 16 contiguous rows of x (with ``silu_mul``: of silu(gate) * up, x = [gate |
-    up]) on the tensor cores; ``tile``: ``tile_for``'s unless given."""
-    n, k = weight.shape
-    tile = tile or tile_for(n)
-    assert x.shape[0] <= 16 and x.is_contiguous() and weight.is_contiguous() and k % tile.k == 0
-    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    _mma_gemv[(triton.cdiv(n, tile.rows),)](
-        x, weight, out, x.shape[0], n, k, x.stride(0), out.stride(0), BLOCK_N=tile.rows, BLOCK_K=tile.k,
-        W_FIRST=tile.w_first, SILU_MUL=silu_mul, num_warps=tile.warps, num_stages=tile.stages)
-    return out
-
-
 def dot_tiles() -> list[Tile]:
-    """The tensor-core tiles compared at 3-16 rows of x (b007179's two among them)."""
+    """The tensor-core tiles compared at 3-16 rows of x (the engine's two among them)."""
     narrow = [Tile(rows, k, stages=st) for rows in (16, 32) for k in (128, 256) for st in (3, 4)]
     wide = [Tile(rows, k, True, st) for rows in (64, 128) for k in (64, 128) for st in (3, 4)]
     return narrow + wide
@@ -317,11 +255,9 @@ def cuda_report(row_counts: list[int]) -> None:
 
 
 def dot_report(row_counts: list[int]) -> None:
-    """The tensor-core kernel against cuBLAS at each row count: every tile on each projection (distinct weights
-    back to back in a graph), down_proj with silu-mul folded in against the silu-mul kernel + cuBLAS, then a whole
-    step's projections with b007179's tile for each shape and with each shape's fastest."""
-    from pagedserve.model import fused
-
+    """The engine's tensor-core kernel for 3-16 rows (model/mma_gemv.py) against cuBLAS at each row count: every
+    tile on each projection (distinct weights back to back in a graph), then a whole step's projections with the
+    engine's tile for each shape and with each shape's fastest."""
     dev = torch.device("cuda")
     weights, head = step_weights()
     for m in row_counts:
@@ -343,19 +279,11 @@ def dot_report(row_counts: list[int]) -> None:
             rows.sort(key=lambda r: r[0])
             best[name] = rows[0][1]
             print(f"{name} [{n} x {k}]: cuBLAS {t_cublas:6.2f} us ({nbytes / t_cublas / 1e6:.2f} TB/s); "
-                  f"b007179's tile {tile_for(n)}")
+                  f"the engine's tile {tile_for(n, k)}")
             for t, tile, err in rows:
                 print(f"  {tile}: {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s, err {err:.1e})")
-            if name == "down":
-                gate_up = torch.randn((m, 2 * k), device=dev, dtype=torch.bfloat16)
-                ref = F.linear(fused.silu_mul(gate_up).float(), ws[0].float())
-                err = ((mma_gemv(gate_up, ws[0], silu_mul=True).float() - ref).abs().max() / ref.abs().max()).item()
-                t_fold = per_call_us(lambda i: mma_gemv(gate_up, ws[i], silu_mul=True), count)
-                t_apart = per_call_us(lambda i: F.linear(fused.silu_mul(gate_up), ws[i]), count)
-                print(f"  silu-mul folded in, {tile_for(n)}: {t_fold:6.2f} us (err {err:.1e}); the silu-mul kernel "
-                      f"+ cuBLAS {t_apart:6.2f} us")
         for label_, fn in (("cuBLAS", lambda name, x, w: F.linear(x, w)),
-                           ("tensor cores, b007179's tiles", lambda name, x, w: mma_gemv(x, w)),
+                           ("tensor cores, the engine's tiles", lambda name, x, w: mma_gemv(x, w)),
                            ("tensor cores, each shape's fastest tile", lambda name, x, w: mma_gemv(x, w, tile=best[name]))):
             ms, nbytes = step_graph(m, fn, weights, head)
             print(f"step's projections at {m} rows, {label_}: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")

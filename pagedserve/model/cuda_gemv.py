@@ -1,8 +1,8 @@
 """bf16 projections of one or two rows as a hand-written CUDA GEMV (gemv.cu), compiled once per reduction
 length and row count with NVRTC through torch. A decode step of one or two sequences is ~145 such
 projections whose weights are the whole cost; cuBLAS's kernels for so few rows leave SMs idle, add a
-split-K reduce kernel, or read the weights at a lower rate. Larger batches and every other shape keep
-cuBLAS (``F.linear``)."""
+split-K reduce kernel, or read the weights at a lower rate. Three to sixteen rows go to a Triton kernel on the
+tensor cores (mma_gemv.py); larger batches and every other shape keep cuBLAS (``F.linear``)."""
 from __future__ import annotations
 
 import ctypes
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedserve.model import mma_gemv
 from pagedserve.model.fused import sm_count
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class CudaGemv:
     # every shape (fewer warps measured slower there)
     ROWS = (1, 2)
     ROW_WARPS, ROW_UNROLL = 32, 4
+    MMA = True  # other row counts up to 16 on the tensor cores (mma_gemv; False: cuBLAS, the A/B switch)
     # the projection after attention (``staged``): its weights start copying into shared memory while the
     # attention kernel runs beside it; half the registers (16 warps at <= 64 a thread) and 160 KB of shared
     # memory a CTA leave room for one attention CTA on the same multiprocessor, and none for a second
@@ -72,7 +74,7 @@ class CudaGemv:
 
     @staticmethod
     def unsupported(device: torch.device) -> str | None:
-        """Why projections of one or two rows stay on cuBLAS on this device (None: the GEMV can take them)."""
+        """Why projections of up to 16 rows stay on cuBLAS on this device (None: the GEMV can take them)."""
         if device.type != "cuda":
             return "not a CUDA device"
         if not CudaGemv.ENABLED:
@@ -88,12 +90,13 @@ class CudaGemv:
             gemv = cls(device)
             try:
                 gemv._kernel(4096, 4096)  # compiles once here, so a failing NVRTC shows at start-up
-                logger.info("projections of 1-2 rows: CUDA GEMV, up to %d warps a multiprocessor%s", gemv.warps,
-                            ", programmatic dependent launch" if gemv.pdl else "")
+                logger.info("projections of 1-2 rows: CUDA GEMV, up to %d warps a multiprocessor%s; of 3-%d rows: "
+                            "%s", gemv.warps, ", programmatic dependent launch" if gemv.pdl else "",
+                            mma_gemv.MAX_ROWS, "tensor cores" if cls.MMA else "cuBLAS")
                 return gemv
             except Exception as e:  # NVRTC missing or refusing: cuBLAS serves every projection
                 reason = f"NVRTC failed: {e}"
-        logger.info("projections of 1-2 rows: cuBLAS (CUDA GEMV unused: %s)", reason)
+        logger.info("projections of up to 16 rows: cuBLAS (CUDA GEMV unused: %s)", reason)
         return None
 
     def unroll_for(self, k: int, rows: int = 1) -> int:
@@ -165,7 +168,10 @@ class CudaGemv:
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
         """``ROWS`` contiguous bf16 rows against a contiguous bf16 weight of rows a multiple of 256 values that
-        fit the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's columns)."""
+        fit the kernel's shared memory (with silu_mul, x holds gate and up: twice the weight's columns); other
+        row counts where the tensor-core kernel takes them (``MMA``)."""
+        if x.dim() == 2 and x.shape[0] not in self.ROWS:
+            return self.MMA and not silu_mul and x.dtype == torch.bfloat16 and mma_gemv.takes(x, weight)
         k = weight.shape[1]
         return (x.dim() == 2 and x.shape[0] in self.ROWS and x.shape[1] == k * (2 if silu_mul else 1)
                 and x.is_contiguous() and x.data_ptr() % 16 == 0 and self.takes_weight(weight, x.dtype)
@@ -182,6 +188,8 @@ class CudaGemv:
                  staged: bool = False) -> torch.Tensor:
         """x @ weight.T (with ``silu_mul``: silu(gate) * up of each row x = [gate | up], then the product;
         ``staged``: x is one row from the attention kernel, and the weights are staged while it runs)."""
+        if x.shape[0] not in self.ROWS:
+            return mma_gemv.mma_gemv(x, weight)
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         variant = self._kernel(*weight.shape, x.shape[0], silu_mul, staged=staged)
         self._launch(variant, weight, x, out, x, x, x, 0.0)
@@ -189,8 +197,9 @@ class CudaGemv:
 
     def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                    weight: torch.Tensor) -> bool:
-        """``takes`` for ``norm_project``: the residual and the norm's weight must be laid out as x is."""
-        return (self.FUSE_NORM and self.takes(x, weight) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+        """``takes`` for ``norm_project`` (the CUDA GEMV's rows only): the residual and the norm's weight must be
+        laid out as x is."""
+        return (self.FUSE_NORM and x.shape[0] in self.ROWS and self.takes(x, weight) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
                 and norm_weight.data_ptr() % 16 == 0 and (residual is None or (
                     residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
                     and residual.data_ptr() % 16 == 0)))

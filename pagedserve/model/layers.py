@@ -15,7 +15,8 @@ from pagedserve.model.parallel import all_reduce
 
 
 class Linear(nn.Linear):
-    """A projection whose products of one or two rows on the GPU may run as the CUDA GEMV (``use_gemv``)."""
+    """A projection whose products of up to 16 rows on the GPU may run as the CUDA GEMV or its tensor-core kernel
+    for 3-16 rows (``use_gemv``)."""
 
     gemv: CudaGemv | None = None
 
@@ -37,7 +38,7 @@ def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, 
 
 
 def use_gemv(model: nn.Module, gemv: CudaGemv | None) -> None:
-    """Route the model's projections of one or two rows through ``gemv`` (None: cuBLAS for all)."""
+    """Route the model's projections of up to 16 rows through ``gemv`` (None: cuBLAS for all)."""
     for m in model.modules():
         if isinstance(m, Linear):
             m.gemv = gemv
