@@ -116,6 +116,15 @@ class CostModel:
     launch_per_seq: float = 0.0
     launch_per_token: float = 0.0
     launch_hidden: bool = True  # False: the launch runs in series with the step (a host-bound model)
+    # S_B: seconds of the decode graph of B > 1 sequences before its context, for each size timed. The kernels
+    # change with the rows (a GEMV for two, the tensor cores up to 16, cuBLAS above), which a line through the
+    # token counts misprices; sizes between two timed ones are interpolated, others take the terms above.
+    decode_graphs: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.decode_graphs = {int(b): float(t) for b, t in sorted(self.decode_graphs.items(), key=lambda i: int(i[0]))}
+        self._graph_sizes = np.array(list(self.decode_graphs), dtype=float)
+        self._graph_times = np.array(list(self.decode_graphs.values()))
 
     def on_faster_gpu(self, compute: float, bandwidth: float) -> "CostModel":
         """This model on a GPU ``compute`` times as fast at 16-bit tensor math and ``bandwidth`` times as
@@ -130,7 +139,8 @@ class CostModel:
             self, breakpoint=self.breakpoint * compute / bandwidth, per_token=self.per_token / compute,
             per_context=self.per_context / bandwidth, per_prefill_work=self.per_prefill_work / compute,
             per_prefill_key=self.per_prefill_key / bandwidth, single=self.single / bandwidth,
-            fixed=self.fixed / bandwidth, both_paths=self.both_paths / bandwidth)
+            fixed=self.fixed / bandwidth, both_paths=self.both_paths / bandwidth,
+            decode_graphs={b: t / bandwidth for b, t in self.decode_graphs.items()})
 
     def host_seconds(self, seqs: int) -> float:
         return self.host_fixed + self.host_per_seq * seqs
@@ -159,6 +169,9 @@ class CostModel:
     def seconds(self, tokens: int, decode_context: int, prefill_work: int, prefill_keys: int, kind: str) -> float:
         if kind == "single":
             return self.single + self.per_context * decode_context
+        if kind == "graph" and not prefill_work and len(self._graph_sizes) and \
+                self._graph_sizes[0] <= tokens <= self._graph_sizes[-1]:
+            return float(np.interp(tokens, self._graph_sizes, self._graph_times)) + self.per_context * decode_context
         device = self.device_seconds(tokens, decode_context, prefill_work, prefill_keys)
         return device if kind == "graph" else max(self.mixed_floor if kind == "mixed" else self.eager_floor, device)
 
@@ -181,13 +194,15 @@ class CostModel:
         "prefill_work", "prefill_keys", "kind", "seconds", and for a graph step optionally "launch": its host's
         part, not the device's). For each pair of floors, the device terms are fitted to the
         steps they do not hold up (graph replays, and eager steps measured above their floor); S is then the
-        median of the single decodes' time less their context's."""
+        median of the single decodes' time less their context's, and S_B the same for each decode graph size."""
         if len(samples) < 5:
             raise ConfigError("A cost model needs at least five measured steps.")
         x = np.array([[s[f] for f in FEATURES] for s in samples], dtype=float)
         y = np.array([_device_part(s) for s in samples])
         kind = np.array([s["kind"] for s in samples])
         eager, mixed, single = kind == "eager", kind == "mixed", kind == "single"
+        decode_graph = (kind == "graph") & (x[:, 2] == 0)
+        graph_rows = {int(b): decode_graph & (x[:, 0] == b) for b in np.unique(x[decode_graph, 0])}
 
         def candidates(mask: np.ndarray) -> np.ndarray:  # 0, or a time measured in the lower half of the kind
             return np.concatenate([[0.0], np.unique(y[mask & (y <= np.median(y[mask]))])]) if mask.any() else np.zeros(1)
@@ -208,10 +223,15 @@ class CostModel:
                     pred[single] = one + coef[1] * x[single, 1]
                     err = float(np.mean(np.abs(pred - y) / y))
                     if best is None or err < best[0]:
-                        best = (err, h, m, one, bp, coef)
-        err, h, m, one, bp, (b, c, d, f, p, e) = best
+                        best = (err, h, m, one, bp, coef, pred)
+        _, h, m, one, bp, (b, c, d, f, p, e), pred = best
+        # the line's terms chosen as if decode graphs were on it; each timed size then gets its own S_B
+        graphs = {}
+        for size, rows in graph_rows.items():
+            graphs[size] = float(np.median(y[rows] - c * x[rows, 1]))
+            pred[rows] = graphs[size] + c * x[rows, 1]
         return cls(float(bp), float(b), float(c), float(d), float(e), float(h), float(m), one, float(f),
-                   float(p)), err
+                   float(p), decode_graphs=graphs), float(np.mean(np.abs(pred - y) / y))
 
     def with_launch(self, samples: list[dict]) -> "CostModel":
         """This model with the launch terms fitted (least squares on relative error, non-negative, as the
@@ -315,7 +335,10 @@ class Calibration:
                 f"{1e9 * c.per_prefill_key:.1f} ns a position a prompt chunk attends + {1e3 * c.both_paths:.3f} ms "
                 f"a step with decodes and prompt chunks (both attention paths); an eager "
                 f"step takes at least {1e3 * c.eager_floor:.2f} ms, a mixed one {1e3 * c.mixed_floor:.2f} ms; one "
-                f"sequence's decode {1e3 * c.single:.3f} ms + its context (fit error {100 * self.mape:.1f} %)"
+                f"sequence's decode {1e3 * c.single:.3f} ms + its context"
+                + (f", of {', '.join(map(str, c.decode_graphs))} sequences "
+                   f"{', '.join(f'{1e3 * t:.3f}' for t in c.decode_graphs.values())} ms + theirs" if c.decode_graphs else "")
+                + f" (fit error {100 * self.mape:.1f} %)"
                 + (f"; the server's host work a step {1e3 * c.host_fixed:.3f} ms + {1e3 * c.host_per_seq:.4f} ms a "
                    f"request in it, a request's way in {1e3 * c.request_latency:.2f} ms"
                    + (f", requests sent at once {1e3 * c.ingress_spacing:.2f} ms apart" if c.ingress_spacing else "")
@@ -347,5 +370,5 @@ def load_calibration(name_or_path: str) -> Calibration:
                           f"({', '.join(sorted(known)) or 'none'}); `pagedserve calibrate` makes one on a GPU.")
     try:
         return Calibration.from_json(json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
+    except (json.JSONDecodeError, TypeError, KeyError, ValueError) as e:
         raise ConfigError(f"--simulate {path}: not a calibration file ({e}).") from e
