@@ -173,7 +173,6 @@ def check_gemv() -> None:
             print(f"CUDA GEMV {m} rows [{n} x {k}]{' ' + kind if kind else ''}: rel err {err:.2e}"
                   f"{', residual equal' if same else ', residual DIFFERS'} {'OK' if err < 1e-2 and same else 'FAIL'}")
 
-
     for m in (3, 4, 8, 16):  # the tensor-core kernel (mma_gemv) for a few rows, each tile it picks
         for n, k in ((6144, 4096), (4096, 4096), (4096, 12288), (151936, 4096)):
             w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
