@@ -42,9 +42,9 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gemv", default="", help="comma-separated kernels for the projections of decode steps of one or "
-                    "two sequences (and of 3-16 on the tensor cores): cublas, or cuda with -unfused (norms as kernels of "
-                    "their own) and/or -nopdl (plain launches), -fixed (WARPS for every shape), -rows1 (one sequence's "
-                    "steps alone; two on the tensor-core kernel), -nomma (3-16 rows on cuBLAS) "
+                    "two sequences (and of 3-16 on the tensor cores): cublas, or cuda with -unfused (norms as "
+                    "kernels of their own) and/or -nopdl (plain launches), -fixed (WARPS for every shape), -rows1 "
+                    "(one sequence's steps alone; two on the tensor-core kernel), -nomma (3-16 rows on cuBLAS) "
                     "and :WARPSxUNROLL to measure one after another, decode graphs captured again for each")
     ap.add_argument("--decode-segments", default="",
                     help="comma-separated split factors for the graphed decodes, each crossed with every --gemv")

@@ -284,7 +284,8 @@ def dot_report(row_counts: list[int]) -> None:
                 print(f"  {tile}: {t:6.2f} us ({nbytes / t / 1e6:.2f} TB/s, err {err:.1e})")
         for label_, fn in (("cuBLAS", lambda name, x, w: F.linear(x, w)),
                            ("tensor cores, the engine's tiles", lambda name, x, w: mma_gemv(x, w)),
-                           ("tensor cores, each shape's fastest tile", lambda name, x, w: mma_gemv(x, w, tile=best[name]))):
+                           ("tensor cores, each shape's fastest tile",
+                            lambda name, x, w: mma_gemv(x, w, tile=best[name]))):
             ms, nbytes = step_graph(m, fn, weights, head)
             print(f"step's projections at {m} rows, {label_}: {ms:.3f} ms, {nbytes / ms / 1e9:.2f} TB/s")
 

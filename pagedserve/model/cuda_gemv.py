@@ -199,7 +199,8 @@ class CudaGemv:
                    weight: torch.Tensor) -> bool:
         """``takes`` for ``norm_project`` (the CUDA GEMV's rows only): the residual and the norm's weight must be
         laid out as x is."""
-        return (self.FUSE_NORM and x.shape[0] in self.ROWS and self.takes(x, weight) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+        return (self.FUSE_NORM and x.shape[0] in self.ROWS and self.takes(x, weight)
+                and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
                 and norm_weight.data_ptr() % 16 == 0 and (residual is None or (
                     residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
                     and residual.data_ptr() % 16 == 0)))

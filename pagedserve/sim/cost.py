@@ -337,7 +337,8 @@ class Calibration:
                 f"step takes at least {1e3 * c.eager_floor:.2f} ms, a mixed one {1e3 * c.mixed_floor:.2f} ms; one "
                 f"sequence's decode {1e3 * c.single:.3f} ms + its context"
                 + (f", of {', '.join(map(str, c.decode_graphs))} sequences "
-                   f"{', '.join(f'{1e3 * t:.3f}' for t in c.decode_graphs.values())} ms + theirs" if c.decode_graphs else "")
+                   f"{', '.join(f'{1e3 * t:.3f}' for t in c.decode_graphs.values())} ms + theirs"
+                   if c.decode_graphs else "")
                 + f" (fit error {100 * self.mape:.1f} %)"
                 + (f"; the server's host work a step {1e3 * c.host_fixed:.3f} ms + {1e3 * c.host_per_seq:.4f} ms a "
                    f"request in it, a request's way in {1e3 * c.request_latency:.2f} ms"
