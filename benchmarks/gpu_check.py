@@ -125,6 +125,11 @@ def agreement(label: str, runs: tuple[list, list], params: SamplingParams) -> No
           f"mean common prefix {np.mean(prefix):.1f}/{params.max_tokens} tokens")
 
 
+def row_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """The worst row's largest error against an fp32 product, relative to that row's largest value."""
+    return ((y.float() - ref).abs().amax(1) / ref.abs().amax(1)).max().item()
+
+
 def check_gemv() -> None:
     """The CUDA GEMV on Qwen3-8B's and Qwen3-0.6B's projection shapes against an fp32 product."""
     dev = torch.device("cuda")
@@ -134,13 +139,13 @@ def check_gemv() -> None:
         w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
         x = torch.randn((1, 2 * k if silu else k), device=dev, dtype=torch.bfloat16)
         ref = F.linear(fused.silu_mul(x).float() if silu else x.float(), w.float())
-        err = ((gemv(x, w, silu_mul=silu).float() - ref).abs().max() / ref.abs().max()).item()
+        err = row_error(gemv(x, w, silu_mul=silu), ref)
         print(f"CUDA GEMV [{n} x {k}]{' silu-mul' if silu else ''}: rel err {err:.2e} {'OK' if err < 1e-2 else 'FAIL'}")
     for n, k in ((4096, 4096), (1024, 2048), (100, 768)):  # o_proj's shapes, staged into shared memory
         w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
         x = torch.randn((1, k), device=dev, dtype=torch.bfloat16)
         y, ref = gemv(x, w, staged=True), F.linear(x.float(), w.float())
-        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        err = row_error(y, ref)
         same = torch.equal(y, gemv(x, w))  # each row is summed by one warp in one order either way
         print(f"CUDA GEMV staged ({gemv.staged_chunks(n, k)} chunks a warp) [{n} x {k}]: rel err {err:.2e}, "
               f"{'equal to' if same else 'DIFFERS from'} the plain kernel {'OK' if err < 1e-2 and same else 'FAIL'}")
@@ -151,7 +156,7 @@ def check_gemv() -> None:
         normed, want_res = fused.rms_norm(x, nw, 1e-6, r) if has_res else (fused.rms_norm(x, nw, 1e-6), x)
         ref = F.linear(normed.float(), w.float())
         y, res = gemv.norm_project(x, r if has_res else None, nw, 1e-6, w)
-        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        err = row_error(y, ref)
         ok = err < 1e-2 and torch.equal(res, want_res)
         print(f"CUDA GEMV with RMSNorm{' + residual' if has_res else ''} [{n} x {k}]: rel err {err:.2e}, "
               f"residual {'equal' if torch.equal(res, want_res) else 'DIFFERS'} {'OK' if ok else 'FAIL'}")
@@ -169,7 +174,7 @@ def check_gemv() -> None:
             else:
                 y = gemv(x, w, silu_mul=kind == "silu-mul")
                 ref = F.linear((fused.silu_mul(x) if kind else x).float(), w.float())
-            err = ((y.float() - ref).abs().amax(1) / ref.abs().amax(1)).max().item()  # the worst row's
+            err = row_error(y, ref)
             print(f"CUDA GEMV {m} rows [{n} x {k}]{' ' + kind if kind else ''}: rel err {err:.2e}"
                   f"{', residual equal' if same else ', residual DIFFERS'} {'OK' if err < 1e-2 and same else 'FAIL'}")
 
@@ -178,7 +183,7 @@ def check_gemv() -> None:
             w = torch.randn((n, k), device=dev, dtype=torch.bfloat16) * 0.02
             x = torch.randn((m, k), device=dev, dtype=torch.bfloat16)
             ref = F.linear(x.float(), w.float())
-            err = ((gemv(x, w).float() - ref).abs().amax(1) / ref.abs().amax(1)).max().item()
+            err = row_error(gemv(x, w), ref)
             print(f"tensor-core GEMV {m} rows [{n} x {k}] ({tile_for(n, k)}): "
                   f"rel err {err:.2e} {'OK' if err < 1e-2 else 'FAIL'}")
 
