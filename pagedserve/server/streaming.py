@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
+import orjson
 from fastapi import Request
 
 from pagedserve.outputs import RequestOutput, combine
 from pagedserve.server.errors import error_body, status_of
 
 
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def sse(obj: dict) -> bytes:
+    """One SSE frame: a frame goes out for every token of every stream, so it is encoded by orjson (a tenth of
+    the standard library's time), as bytes the transport writes as they are."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -76,7 +78,7 @@ async def until_disconnect(request: Request, coro):
     raise Disconnected()
 
 
-async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """SSE frames of ``events``, an in-stream error if one is raised (the status is already sent), [DONE]."""
     try:
         async for obj in events:
@@ -84,7 +86,7 @@ async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     except Exception as e:  # noqa: BLE001
         status, kind = status_of(e)
         yield sse(error_body(status, str(e), kind))
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 async def final_outputs(request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput] | None:

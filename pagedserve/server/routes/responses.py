@@ -78,15 +78,15 @@ async def delete_response(response_id: str, state: ServerState = Depends(server_
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-async def _sse(events: AsyncIterator[dict], told: ResponseBuilder) -> AsyncIterator[str]:
+async def _sse(events: AsyncIterator[dict], told: ResponseBuilder) -> AsyncIterator[bytes]:
     """Responses events as SSE (``event:`` lines, no [DONE]); an error once streaming has begun is an
     ``error`` event, as OpenAI's."""
     try:
         async for event in events:
-            yield f"event: {event['type']}\n" + sse(event)
+            yield f"event: {event['type']}\n".encode() + sse(event)
     except Exception as e:  # noqa: BLE001 - the status is already sent
         _, kind = status_of(e)
-        yield "event: error\n" + sse(told.event("error", code=kind, message=str(e), param=None))
+        yield b"event: error\n" + sse(told.event("error", code=kind, message=str(e), param=None))
 
 
 class ResponseBuilder:
