@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,11 +59,35 @@ class _Call:
 _STOP = object()
 
 
+class _Outputs:
+    """One request's outputs on their way to the task that streams them: a deque and that task's wake-up. An
+    ``asyncio.Queue``'s locks and bookkeeping are more than a single reader needs, for every token of every
+    stream."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.items.popleft()
+
+
 class AsyncEngine(EngineBase):
     def __init__(self, config: EngineConfig, worker=None):
         super().__init__(config, worker)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, _Outputs] = {}
         # prompt tokens of admitted requests that have no output yet (waiting or prefilling)
         self._unstarted: dict[str, int] = {}
         self.queued_prompt_tokens = 0
@@ -143,7 +168,7 @@ class AsyncEngine(EngineBase):
             self._started(res.request_id)
             q = self._queues.get(res.request_id)
             if q is not None:
-                q.put_nowait(res)
+                q.put(res)
                 if res.finished:  # no longer in flight, whether or not anyone reads the stream
                     del self._queues[res.request_id]
         for rid, error in failed.items():
@@ -162,7 +187,7 @@ class AsyncEngine(EngineBase):
         self._started(rid)
         q = self._queues.pop(rid, None)
         if q is not None:
-            q.put_nowait(error)
+            q.put(error)
             if self.observer is not None:
                 self.observer.failed(rid)
 
@@ -181,7 +206,7 @@ class AsyncEngine(EngineBase):
         self.dead = error
         dead = EngineDeadError(f"The engine stopped: {error!r}")
         for q in self._queues.values():
-            q.put_nowait(dead)
+            q.put(dead)
         self._queues.clear()
         self._unstarted.clear()
         self.queued_prompt_tokens = 0
@@ -203,7 +228,7 @@ class AsyncEngine(EngineBase):
         client that went away), which aborts it and frees its KV blocks."""
         if self.dead is not None:
             raise EngineDeadError(f"The engine stopped: {self.dead!r}")
-        q: asyncio.Queue = asyncio.Queue()
+        q = _Outputs()
         self._queues[request.request_id] = q
         self._unstarted[request.request_id] = request.num_prompt_tokens
         self.queued_prompt_tokens += request.num_prompt_tokens
@@ -211,7 +236,7 @@ class AsyncEngine(EngineBase):
         self._inbox.put(_Add(request))
         return self._stream(request.request_id, q)
 
-    async def _stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, rid: str, q: _Outputs) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
