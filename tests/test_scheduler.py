@@ -127,6 +127,28 @@ def test_random_workload_invariants(workload, num_blocks, block_size, max_num_se
             assert i % 2 == 0 or 13 not in req.output_token_ids
 
 
+def test_block_tables_outgrow_their_array_and_rows_are_reused_clean():
+    """Tables are rows of one array that doubles when full; a step's stacked tables are as wide as its longest,
+    zero-padded, and a freed row comes back empty for the next request."""
+    pool = BlockPool(400, 4, 16, enable_prefix_caching=False)
+    reqs = [make_request(str(i), 1 + i % 9, 5) for i in range(40)]  # 1-3 blocks each
+    for r in reqs:
+        assert pool.allocate_slots(r, r.num_tokens)
+    tables = {r.request_id: pool.block_table(r.request_id) for r in reqs}
+    assert sorted(b for t in tables.values() for b in t) == list(range(sum(map(len, tables.values()))))
+    ids = [r.request_id for r in reqs[::-1]]
+    stacked = pool.stacked_tables(ids)
+    assert stacked.shape == (40, 3) and stacked.flags.c_contiguous
+    for rid, row in zip(ids, stacked.tolist()):
+        assert row == tables[rid] + [0] * (3 - len(tables[rid]))
+    for r in reqs[:20]:
+        pool.free(r)
+    late = make_request("late", 2, 5)  # one block, in a row a three-block table held before
+    assert pool.allocate_slots(late, late.num_tokens)
+    assert pool.stacked_tables(["late"]).tolist() == [pool.block_table("late")] and len(pool.block_table("late")) == 1
+    assert len(tables["35"]) == 3 and pool.stacked_tables(["late", "35"]).tolist()[0][1:] == [0, 0]
+
+
 def test_decode_first_then_fcfs_and_mixed_step():
     pool = BlockPool(100, 4, 16, enable_prefix_caching=False)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64, enable_chunked_prefill=True)

@@ -34,8 +34,10 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self._refs = [0] * num_blocks
-        # block tables as fixed-width int32 rows (zero-padded), so a step stacks them without Python loops
-        self._tables: dict[str, np.ndarray] = {}
+        # block tables: rows of one int32 array (zero-padded), so a step gathers its requests' in one copy
+        self._rows = np.zeros((16, max_blocks_per_request), dtype=np.int32)
+        self._row_of: dict[str, int] = {}
+        self._free_rows = list(range(len(self._rows) - 1, -1, -1))
         self._lens: dict[str, int] = {}
         # prefix cache: (parent hash, block tokens) -> block, and back
         self._cached: dict[tuple[int, tuple[int, ...]], int] = {}
@@ -53,12 +55,12 @@ class BlockPool:
 
     def block_table(self, request_id: str) -> list[int]:
         n = self._lens.get(request_id, 0)
-        return self._tables[request_id][:n].tolist() if n else []
+        return self._rows[self._row_of[request_id], :n].tolist() if n else []
 
     def stacked_tables(self, request_ids: list[str]) -> np.ndarray:
         """[len(request_ids), widest table] int32, zero-padded: the step's block tables."""
         width = max(self._lens.get(r, 0) for r in request_ids)
-        return np.stack([self._tables[r] for r in request_ids])[:, :width]
+        return self._rows[[self._row_of[r] for r in request_ids], :width]
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -84,7 +86,7 @@ class BlockPool:
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Name the request's blocks that ``num_tokens`` computed tokens fill, so others can hit them
         (only blocks whose tokens are all known: a token still in flight is named a step later)."""
-        table = self._tables[request.request_id]
+        table = self._rows[self._row_of[request.request_id]]
         done, parent = self._hashed.get(request.request_id) or (0, _root(request))
         full = min(min(num_tokens, request.num_tokens) // self.block_size, self._lens[request.request_id])
         tokens, bs = request.all_token_ids, self.block_size
@@ -124,9 +126,10 @@ class BlockPool:
         revived = sum(1 for b in cached if self._refs[b] == 0)  # cached blocks now sitting in the free list
         if need + revived > len(self._free):
             return False
-        table = self._tables.get(rid)
-        if table is None:
-            table = self._tables[rid] = np.zeros(self.max_blocks_per_request, dtype=np.int32)
+        row = self._row_of.get(rid)
+        if row is None:
+            row = self._row_of[rid] = self._take_row()
+        table = self._rows[row]
         n = self._lens.get(rid, 0)
         for block in cached:
             if self._refs[block] == 0:
@@ -152,10 +155,23 @@ class BlockPool:
         among blocks freed together it is reused first."""
         self._hashed.pop(request.request_id, None)
         n = self._lens.pop(request.request_id, 0)
-        table = self._tables.pop(request.request_id, None)
-        for block in reversed(table[:n].tolist() if n else ()):
+        row = self._row_of.pop(request.request_id, None)
+        if row is None:
+            return
+        blocks = self._rows[row, :n].tolist()
+        self._rows[row, :n] = 0
+        self._free_rows.append(row)
+        for block in reversed(blocks):
             if self._refs[block] <= 0:
                 raise RuntimeError(f"block {block} freed twice (request {request.request_id})")
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free[block] = None
+
+    def _take_row(self) -> int:
+        """A free row of the table array, which doubles when every row is taken."""
+        if not self._free_rows:
+            old = len(self._rows)
+            self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self._free_rows.pop()

@@ -42,27 +42,34 @@ class StepBuilder:
 
     def _inputs(self, out: SchedulerOutput, pool: BlockPool) -> StepInputs:
         """One Python pass over the requests; tables come pre-laid-out from the pool."""
-        bs, items = self.block_size, out.scheduled
+        bs, items, last_rows = self.block_size, out.scheduled, self._last_rows
         n = len(items)
-        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
-        query_lens = np.fromiter((it.num_tokens for it in items), dtype=np.int64, count=n)
-        tables = pool.stacked_tables([it.request.request_id for it in items])
-        ids: list[int] = []
+        rids, starts_l, lens_l, samples_l, ids = [], [], [], [], []
         fill_rows, fill_from = [], []
         score_rows, score_targets, score_top = [], [], 0
         for it in items:
-            known = it.request.all_token_ids
-            end = it.start + it.num_tokens
+            req, start, num = it.request, it.start, it.num_tokens
+            rids.append(req.request_id)
+            starts_l.append(start)
+            lens_l.append(num)
+            samples_l.append(it.samples)
+            known = req.all_token_ids
+            end = start + num
             if it.num_scored:  # the rows of positions scores_from.. score the prompt tokens after them
-                first = len(ids) + it.scores_from - it.start
+                first = len(ids) + it.scores_from - start
                 score_rows.extend(range(first, first + it.num_scored))
                 score_targets.extend(known[it.scores_from + 1:it.scores_from + 1 + it.num_scored])
-                score_top = max(score_top, it.request.sampling_params.prompt_logprobs)
-            ids.extend(known[it.start:end])
+                score_top = max(score_top, req.sampling_params.prompt_logprobs)
             if end > len(known):  # only the last input can be in flight (one step runs at a time)
+                if num > 1:
+                    ids.extend(known[start:end - 1])
                 fill_rows.append(len(ids))
-                fill_from.append(self._last_rows[it.request.request_id])
+                fill_from.append(last_rows[req.request_id])
                 ids.append(0)
+            else:
+                ids.extend(known[start:end])
+        starts, query_lens = np.array(starts_l, dtype=np.int64), np.array(lens_l, dtype=np.int64)
+        tables = pool.stacked_tables(rids)
         if (query_lens == 1).all():  # decode steps: one token each, at position start
             pos, rows = starts, np.arange(n)
         else:
@@ -70,9 +77,9 @@ class StepBuilder:
             pos = np.arange(len(rows)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens) + starts[rows]
         slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
         ends = np.cumsum(query_lens) - 1
-        samples = np.fromiter((it.samples for it in items), dtype=bool, count=n)
+        samples = np.array(samples_l, dtype=bool)
         return StepInputs(np.asarray(ids, dtype=np.int64), pos, slots, query_lens,
-                          (starts + query_lens).astype(np.int32), np.ascontiguousarray(tables), ends[samples],
+                          (starts + query_lens).astype(np.int32), tables, ends[samples],
                           np.asarray(fill_rows, dtype=np.int64), np.asarray(fill_from, dtype=np.int64),
                           np.asarray(score_rows, dtype=np.int64), np.asarray(score_targets, dtype=np.int64), score_top)
 
