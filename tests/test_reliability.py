@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.server.async_engine import MAX_FAILED_STEPS
+from pagedserve.server.async_engine import MAX_FAILED_STEPS, _Outputs
 from tests.serving import metric_values, running_server, serve_process, wait_until
 
 ENGINE = ("--kv-cache-memory", "16MiB", "--max-model-len", "1024")
@@ -353,3 +353,28 @@ def test_ten_times_the_capacity_is_shed_with_503_and_recovers_at_once():
         started = time.monotonic()
         assert post(url, CMPL, {"prompt": [1, 2, 3], "max_tokens": 4}).status_code == 200
         assert time.monotonic() - started < 5  # recovered: the next request is served at once
+
+
+def test_a_requests_outputs_reach_its_stream_in_order_past_a_cancelled_reader():
+    """The handoff from the engine's outputs to the task streaming them: outputs put before the reader waits and
+    while it waits come out in order, and a reader cancelled mid-wait (its client gone) leaves nothing that
+    breaks the next put or the next reader."""
+    async def run() -> None:
+        q = _Outputs()
+        q.put(1)
+        q.put(2)
+        assert [await q.get(), await q.get()] == [1, 2]
+        reader = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        q.put(3)
+        assert await q.get() == 3
+        waiting = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        q.put(4)
+        q.put(5)
+        assert await waiting == 4 and await q.get() == 5 and not q.items
+
+    asyncio.run(run())
+
