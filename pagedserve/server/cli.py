@@ -270,7 +270,7 @@ def build_server(ns: argparse.Namespace, worker=None):
 def serving_in_thread(server: Server, start_timeout: float = 120.0):
     """Run a built server in a thread of this process, from when it accepts connections until the block
     ends (for callers that drive it from outside: the tests, calibrate's timing of the host)."""
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, name="http-server", daemon=True)  # the event loop's
     thread.start()
     deadline = time.monotonic() + start_timeout
     while not server.started:
