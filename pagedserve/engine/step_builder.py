@@ -60,14 +60,11 @@ class StepBuilder:
                 score_rows.extend(range(first, first + it.num_scored))
                 score_targets.extend(known[it.scores_from + 1:it.scores_from + 1 + it.num_scored])
                 score_top = max(score_top, req.sampling_params.prompt_logprobs)
+            ids.extend(known[start:end])
             if end > len(known):  # only the last input can be in flight (one step runs at a time)
-                if num > 1:
-                    ids.extend(known[start:end - 1])
                 fill_rows.append(len(ids))
                 fill_from.append(last_rows[req.request_id])
                 ids.append(0)
-            else:
-                ids.extend(known[start:end])
         starts, query_lens = np.array(starts_l, dtype=np.int64), np.array(lens_l, dtype=np.int64)
         tables = pool.stacked_tables(rids)
         if (query_lens == 1).all():  # decode steps: one token each, at position start
