@@ -15,6 +15,7 @@ threads spent their own CPU time, most first: where a host optimization would pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import threading
 
@@ -55,7 +56,11 @@ def main() -> None:
     args = EngineArgs(model=ns.model, load_format="dummy", max_model_len=2048, max_num_seqs=256,
                       kv_cache_memory="2GiB", device="cpu")
     worker = Worker(args.create_config())  # only for its memory budget, which the priced worker reports
-    budget = worker.budget
+    # a cache that holds max-num-seqs requests of max-model-len: the levels are bounded by requests in flight only
+    # (the priced worker allocates none of it)
+    blocks = args.max_num_seqs * -(-args.max_model_len // worker.budget.block_size)
+    budget = dataclasses.replace(worker.budget, num_blocks=blocks,
+                                 kv_cache_bytes=blocks * worker.budget.bytes_per_block)
     worker.shutdown()
     levels = [int(c) for c in ns.in_flight.split(",")]
     rates: dict[int, list[float]] = {c: [] for c in levels}
