@@ -234,6 +234,36 @@ def test_the_tensor_core_kernel_matches_f_linear():
             assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-3, tile
 
 
+def test_the_tensor_core_kernel_forms_silu_gate_times_up_in_gate_up_projections():
+    """``gated``: a program's tile holds matching gate and up rows; what it writes equals F.linear, then silu(gate)
+    rounded, times up (fp16 under the interpreter), for both tiles, 3 and 16 rows, and a width whose last tile is
+    partial; the plain kernel of the same tile gives the product both halves come from."""
+    from pagedserve.model.mma_gemv import NARROW, WIDE, mma_gemv
+
+    torch.manual_seed(0)
+    w = torch.randn((2 * 72, 512), dtype=torch.float16)
+    for m in (3, 16):
+        for tile in (NARROW, WIDE):
+            x = torch.randn((m, 512), dtype=torch.float16)
+            gate, up = mma_gemv(x, w, tile=tile).float().chunk(2, dim=-1)
+            want = (gate / (1 + torch.exp(-gate))).half().float() * up
+            y = mma_gemv(x, w, tile=tile, gated=True)
+            assert y.shape == (m, 72) and y.dtype == x.dtype
+            assert ((y.float() - want).abs().max() / want.abs().max()).item() < 1e-3, (m, tile)
+
+
+def test_gate_up_projections_of_a_few_rows_are_gated_on_the_tensor_cores(monkeypatch):
+    """3-16 rows of bf16 go to the gated kernel (silu-mul in gate_up_proj's kernel); one or two rows keep the CUDA
+    GEMV (silu-mul folded into down_proj), and with the tensor-core kernel off nothing is gated."""
+    g = CudaGemv(CPU)
+    gate_up = torch.zeros((2 * 12288, 4096), dtype=torch.bfloat16)
+    gated = [m for m in range(1, 33) if g.takes_gated(torch.zeros((m, 4096), dtype=torch.bfloat16), gate_up)]
+    assert gated == list(range(3, 17))
+    assert not g.takes_gated(torch.zeros((8, 4096)), gate_up.float())
+    monkeypatch.setattr(CudaGemv, "MMA", False)
+    assert not g.takes_gated(torch.zeros((8, 4096), dtype=torch.bfloat16), gate_up)
+
+
 def test_the_tensor_core_kernel_takes_wide_weights_of_a_few_rows():
     """Which projections go to the tensor-core kernel, and with which tile; the norm and down_proj's silu-mul stay
     kernels of their own there."""

@@ -177,6 +177,11 @@ class CudaGemv:
                 and x.is_contiguous() and x.data_ptr() % 16 == 0 and self.takes_weight(weight, x.dtype)
                 and self.x_shared(x.shape[0], k) <= self.max_shared)
 
+    def takes_gated(self, x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+        """Whether gate_up_proj of x's rows (the norm's output) goes to the tensor-core kernel, which then forms
+        silu(gate) * up itself (``gated``)."""
+        return x.dim() == 2 and x.shape[0] not in self.ROWS and self.takes(x, gate_up)
+
     @staticmethod
     def takes_weight(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
         """``takes`` for the weight alone, given one row of ``x_dtype`` laid out as the kernel needs."""
@@ -194,6 +199,11 @@ class CudaGemv:
         variant = self._kernel(*weight.shape, x.shape[0], silu_mul, staged=staged)
         self._launch(variant, weight, x, out, x, x, x, 0.0)
         return out
+
+    @staticmethod
+    def gated(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x @ gate_up.T, gate_up being [gate; up], in one kernel (``takes_gated`` held)."""
+        return mma_gemv.mma_gemv(x, gate_up, gated=True)
 
     def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                    weight: torch.Tensor) -> bool:

@@ -80,8 +80,7 @@ class DecoderLayer(nn.Module):
         """Each norm goes with the projection after it (one kernel for a step of one or two rows on the GEMV)."""
         qkv, residual = norm_project(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(positions, qkv, kv_cache, meta)
-        gate_up, residual = norm_project(self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj)
-        return self.mlp.act_down(gate_up), residual
+        return self.mlp(self.post_attention_layernorm, x, residual)
 
 
 class VocabParallelEmbedding(nn.Module):
