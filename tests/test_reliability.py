@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.server.async_engine import MAX_FAILED_STEPS, _Outputs
 from tests.serving import metric_values, running_server, serve_process, wait_until
 
@@ -356,25 +357,38 @@ def test_ten_times_the_capacity_is_shed_with_503_and_recovers_at_once():
 
 
 def test_a_requests_outputs_reach_its_stream_in_order_past_a_cancelled_reader():
-    """The handoff from the engine's outputs to the task streaming them: outputs put before the reader waits and
-    while it waits come out in order, and a reader cancelled mid-wait (its client gone) leaves nothing that
-    breaks the next put or the next reader."""
+    """The handoff from the engine's outputs to the task streaming them: deltas put while the reader was away come
+    out joined into one, in order (a late stream catches up in one frame); an error after them comes out after
+    them, alone; a reader cancelled mid-wait (its client gone) leaves nothing that breaks the next put or the next
+    reader."""
+    def delta(token: int, finished: bool = False) -> RequestOutput:
+        c = CompletionOutput(0, f"<{token}>", [token], None, None, "stop" if finished else None)
+        return RequestOutput("r", None, [7], [c], finished)
+
+    def seen(out: RequestOutput) -> tuple[str, list[int], bool]:
+        return out.outputs[0].text, out.outputs[0].token_ids, out.finished
+
     async def run() -> None:
         q = _Outputs()
-        q.put(1)
-        q.put(2)
-        assert [await q.get(), await q.get()] == [1, 2]
+        q.put(delta(1))
+        assert seen(await q.get()) == ("<1>", [1], False)
+        q.put(delta(2))
+        q.put(delta(3))
+        error = RuntimeError("step failed")
+        q.put(error)
+        assert seen(await q.get()) == ("<2><3>", [2, 3], False)
+        assert await q.get() is error
         reader = asyncio.ensure_future(q.get())
         await asyncio.sleep(0)
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
-        q.put(3)
-        assert await q.get() == 3
+        q.put(delta(4))
+        assert seen(await q.get()) == ("<4>", [4], False)
         waiting = asyncio.ensure_future(q.get())
         await asyncio.sleep(0)
-        q.put(4)
-        q.put(5)
-        assert await waiting == 4 and await q.get() == 5 and not q.items
+        q.put(delta(5))
+        q.put(delta(6, finished=True))  # before the woken reader runs: both reach it, and the end with them
+        assert seen(await waiting) == ("<5><6>", [5, 6], True) and not q.items
 
     asyncio.run(run())
 

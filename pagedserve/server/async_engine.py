@@ -28,7 +28,7 @@ from pagedserve.engine.core import CoreOutput, EngineCore
 from pagedserve.engine.llm_engine import EngineBase
 from pagedserve.engine.request import Request
 from pagedserve.errors import RequestFailedError
-from pagedserve.outputs import RequestOutput, RequestOutputKind
+from pagedserve.outputs import RequestOutput, RequestOutputKind, combine
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +77,18 @@ class _Outputs:
             waiter.set_result(None)
 
     async def get(self) -> RequestOutput | BaseException:
+        """The next output; where the stream fell behind the engine, the deltas waiting joined into one (as
+        vLLM's output collector does), so a late stream catches up in one frame instead of one a token."""
         while not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
-        return self.items.popleft()
+        item = self.items.popleft()
+        if not self.items or isinstance(item, BaseException) or isinstance(self.items[0], BaseException):
+            return item
+        deltas = [item]
+        while self.items and not isinstance(self.items[0], BaseException):
+            deltas.append(self.items.popleft())
+        return combine(deltas)
 
 
 class AsyncEngine(EngineBase):
