@@ -265,8 +265,8 @@ def test_gate_up_projections_of_a_few_rows_are_gated_on_the_tensor_cores(monkeyp
 
 
 def test_the_tensor_core_kernel_takes_wide_weights_of_a_few_rows():
-    """Which projections go to the tensor-core kernel, and with which tile; the norm and down_proj's silu-mul stay
-    kernels of their own there."""
+    """Which projections go to the tensor-core kernel, and with which tile; the norm stays a kernel of its own there,
+    and down_proj takes no [gate | up] rows (gate_up_proj's kernel forms silu(gate) * up, ``gated``)."""
     from pagedserve.model.mma_gemv import NARROW, WIDE, tile_for
 
     assert tile_for(6144, 4096) is WIDE and tile_for(151936, 4096) is WIDE and tile_for(24576, 4096) is WIDE
