@@ -217,8 +217,8 @@ def test_bench_serve_end_to_end_respects_max_concurrency(tmp_path):
         peak = {"n": 0}
         original = engine.add
 
-        def counting_add(request, text):
-            stream = original(request, text)
+        def counting_add(request, text, interval):
+            stream = original(request, text, interval)
             peak["n"] = max(peak["n"], engine.num_in_flight)
             return stream
 

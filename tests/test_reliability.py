@@ -392,3 +392,44 @@ def test_a_requests_outputs_reach_its_stream_in_order_past_a_cancelled_reader():
 
     asyncio.run(run())
 
+
+def test_a_stream_interval_wakes_the_reader_every_n_tokens_and_at_the_ends():
+    """``interval`` 4: the first token at once, then the reader sleeps until four more tokens wait (one output
+    of two tokens counts two), and the end wakes it whatever is pending; None (a call that is not streamed): only
+    the end does, and the reader gets the whole output at once."""
+    def delta(tokens: list[int], finished: bool = False) -> RequestOutput:
+        c = CompletionOutput(0, "".join(f"<{t}>" for t in tokens), tokens, None, None, "length" if finished else None)
+        return RequestOutput("r", None, [7], [c], finished)
+
+    async def woken(q: _Outputs) -> bool:
+        reader = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        if reader.done():
+            return True
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        return False
+
+    async def run() -> None:
+        q = _Outputs(4)
+        q.put(delta([1]))
+        assert (await q.get()).outputs[0].token_ids == [1]
+        q.put(delta([2]))
+        q.put(delta([3, 4]))
+        assert not await woken(q)
+        q.put(delta([5]))
+        assert (await q.get()).outputs[0].token_ids == [2, 3, 4, 5]
+        q.put(delta([6]))
+        q.put(delta([7], finished=True))
+        out = await q.get()
+        assert out.outputs[0].token_ids == [6, 7] and out.finished and not q.items
+        whole = _Outputs(None)
+        for t in range(1, 9):
+            whole.put(delta([t]))
+            assert not await woken(whole)
+        whole.put(delta([9], finished=True))
+        out = await whole.get()
+        assert out.outputs[0].text == "<1><2><3><4><5><6><7><8><9>" and out.finished
+
+    asyncio.run(run())
+

@@ -7,6 +7,7 @@ splits between the event loop's thread (HTTP, streaming, detokenizing) and the e
 arrays) says which of the two a change should go after. Each level runs on a server of its own.
 
 python -m benchmarks.serving.host_ceiling [--model Qwen/Qwen3-0.6B] [--in-flight 16,64] [--repeats 3]
+    [--stream-interval N]
 (CPU is enough; the client shares the machine's cores with the server, so compare runs on one machine)
 --profile: one run per level under yappi (pip install yappi), then the functions where the server's
 threads spent their own CPU time, most first: where a host optimization would pay.
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--model", default="Qwen/Qwen3-0.6B")
     p.add_argument("--in-flight", default="16,64")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--stream-interval", type=int, default=1, help="The server's --stream-interval.")
     p.add_argument("--profile", action="store_true", help="Profile the server's threads (needs yappi).")
     ns = p.parse_args()
     if ns.profile:
@@ -72,7 +74,8 @@ def main() -> None:
         for c in levels:
             seen: list[dict[str, float] | None] = []  # the threads' CPU as the level ends, its server still up
             for run in bench_server(args.create_config(serving=True), budget, FREE_STEPS, [c],
-                                    log=lambda *a: seen.append(thread_cpu(threads))):
+                                    log=lambda *a: seen.append(thread_cpu(threads)),
+                                    flags=("--stream-interval", str(ns.stream_interval))):
                 rates[c].append(run["seqs"] / run["seconds"])
                 steps[c].append(run["seqs"])
                 cpu[c].append(run["cpu_per_token"] * 1e6)

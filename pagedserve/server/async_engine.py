@@ -62,33 +62,48 @@ _STOP = object()
 class _Outputs:
     """One request's outputs on their way to the task that streams them: a deque and that task's wake-up. An
     ``asyncio.Queue``'s locks and bookkeeping are more than a single reader needs, for every token of every
-    stream."""
+    stream. ``interval``: new tokens that wake the reader (the first token and the end always do; None: only the
+    end), so a stream's frame can carry several tokens and the server writes fewer of them."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("items", "waiter", "interval", "pending", "ready")
 
-    def __init__(self) -> None:
+    def __init__(self, interval: int | None = 1) -> None:
         self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
+        self.interval = interval
+        self.pending: int | None = None  # tokens put since the reader last took some (None: none taken yet)
+        self.ready = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.items.append(item)
+        if not (isinstance(item, BaseException) or item.finished):
+            if self.pending is not None:
+                self.pending += len(item.outputs[0].token_ids)
+            elif item.outputs[0].token_ids:
+                self.pending = self.interval  # the first token goes out at once
+            if self.interval is None or (self.pending or 0) < self.interval:
+                return
+        self.ready = True
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def get(self) -> RequestOutput | BaseException:
-        """The next output; where the stream fell behind the engine, the deltas waiting joined into one (as
-        vLLM's output collector does), so a late stream catches up in one frame instead of one a token."""
-        while not self.items:
+        """The next output: the deltas waiting joined into one (also where the stream fell behind the engine, as
+        vLLM's output collector joins them), or an error, after the deltas before it."""
+        while not self.ready:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
         item = self.items.popleft()
-        if not self.items or isinstance(item, BaseException) or isinstance(self.items[0], BaseException):
-            return item
-        deltas = [item]
-        while self.items and not isinstance(self.items[0], BaseException):
-            deltas.append(self.items.popleft())
-        return combine(deltas)
+        if not isinstance(item, BaseException) and self.items and not isinstance(self.items[0], BaseException):
+            deltas = [item]
+            while self.items and not isinstance(self.items[0], BaseException):
+                deltas.append(self.items.popleft())
+            item = combine(deltas)
+        self.ready = bool(self.items)  # an error after the deltas: the next call takes it at once
+        if self.pending is not None:
+            self.pending = 0
+        return item
 
 
 class AsyncEngine(EngineBase):
@@ -228,15 +243,15 @@ class AsyncEngine(EngineBase):
         if self.on_dead is not None:
             self.on_dead()
 
-    def add(self, request: Request, text: str | None) -> AsyncIterator[RequestOutput]:
+    def add(self, request: Request, text: str | None, interval: int | None = 1) -> AsyncIterator[RequestOutput]:
         """Admit a request (from ``self.inputs.make_request``, so bad input fails before a response
         starts) and return the stream of its outputs, each holding only what is new (DELTA), until it
-        finishes.
+        finishes; ``interval``: as ``_Outputs``'s (None: one output, at the end).
         The request counts as in flight from here until it finishes or its stream is closed early (a
         client that went away), which aborts it and frees its KV blocks."""
         if self.dead is not None:
             raise EngineDeadError(f"The engine stopped: {self.dead!r}")
-        q = _Outputs()
+        q = _Outputs(interval)
         self._queues[request.request_id] = q
         self._unstarted[request.request_id] = request.num_prompt_tokens
         self.queued_prompt_tokens += request.num_prompt_tokens

@@ -116,6 +116,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="Logprobs name tokens as \"token_id:N\" instead of their text (exact for tokens that are "
                         "part of a character); a request's return_tokens_as_token_ids overrides it.")
+    s.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="Streamed responses send a frame every N new tokens (the first token and the end at once): "
+                        "fewer frames for the server to write at many requests in flight, coarser streams. "
+                        "Default 1: a frame a token.")
     s.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this private key (PEM); needs --ssl-certfile.")
     s.add_argument("--ssl-certfile", default=None, help="Serve HTTPS with this certificate (PEM).")
     s.add_argument("--ssl-ca-certs", default=None,
@@ -212,6 +216,8 @@ def build_server(ns: argparse.Namespace, worker=None):
         path = getattr(ns, name)
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{option(name)} {path}: no such file.")
+    if ns.stream_interval < 1:
+        raise ConfigError(f"--stream-interval {ns.stream_interval}: give 1 (a frame a token) or more tokens a frame.")
     if ns.max_stored_responses < 0:
         raise ConfigError("--max-stored-responses must be zero (keep none) or more.")
     if ns.shutdown_timeout < 0:
@@ -249,7 +255,7 @@ def build_server(ns: argparse.Namespace, worker=None):
                               cors={"allow_origins": ns.allowed_origins, "allow_methods": ns.allowed_methods,
                                     "allow_headers": ns.allowed_headers, "allow_credentials": ns.allow_credentials},
                               request_id_headers=ns.enable_request_id_headers, api_docs=not ns.disable_fastapi_docs,
-                              tokens_as_ids=ns.return_tokens_as_token_ids)
+                              tokens_as_ids=ns.return_tokens_as_token_ids, stream_interval=ns.stream_interval)
     app = build_app(engine, settings)
     # uvicorn's own deadline comes after ours, so it finds every stream already ended
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level.lower(),

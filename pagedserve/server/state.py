@@ -41,6 +41,7 @@ class ServerSettings:
     request_id_headers: bool = False     # --enable-request-id-headers
     api_docs: bool = True                # not --disable-fastapi-docs
     tokens_as_ids: bool = False          # --return-tokens-as-token-ids: logprobs name tokens "token_id:N"
+    stream_interval: int = 1             # --stream-interval: new tokens a streamed frame waits for
 
 
 class Admission:
@@ -127,10 +128,12 @@ class ServerState:
                            "NotFoundError", "model")
         return name or self.served[0]
 
-    async def start(self, base_id: str, prompts: list, params, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
+    async def start(self, base_id: str, prompts: list, params, priority: int = 0,
+                    stream: bool = True) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt and admit the call as a whole before starting any of its requests; the
         streams come in output order (prompt i's j-th sample is output i * n + j). Tokenizing runs in a
-        worker thread, so a long prompt never holds up the event loop."""
+        worker thread, so a long prompt never holds up the event loop. ``stream``: the client reads the
+        outputs as they come (every ``stream_interval`` tokens), else only the end."""
         self.admission.check_room(len(prompts) * params.n, priority)  # a full server refuses before tokenizing
         inputs = self.engine.inputs
         made = await asyncio.to_thread(lambda: [r for i, p in enumerate(prompts)
@@ -142,7 +145,8 @@ class ServerState:
         self.metrics.admitted([req for req, _ in made], params.n)
         if self.settings.log_requests:
             logger.info("Received request %s: %d prompt(s) of %s tokens, %s", base_id, len(lens), lens, params)
-        return [self.engine.add(req, text) for req, text in made]
+        interval = self.settings.stream_interval if stream else None
+        return [self.engine.add(req, text, interval) for req, text in made]
 
 
 async def server_state(request: Request) -> ServerState:

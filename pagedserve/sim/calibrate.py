@@ -144,18 +144,19 @@ def paced_server(config, budget, cost: CostModel, *flags: str) -> Iterator[tuple
         yield f"http://127.0.0.1:{port}", server
 
 
-def bench_server(config, budget, cost: CostModel, levels, log=print, burst: int = 0) -> list[dict]:
+def bench_server(config, budget, cost: CostModel, levels, log=print, burst: int = 0,
+                 flags: tuple[str, ...] = ()) -> list[dict]:
     """The server of ``config`` (a serving one) over a paced worker priced by ``cost``, driven by ``bench
     serve`` (its own process) at each level of requests in flight (two rounds of them through the closed
     loop), then, with ``burst``, one round of that many requests sent at once: the runs' shapes, their mean
     time a step and requests a step, their median TTFT and the p95 less the p5 of their inter-token
-    latencies."""
+    latencies. ``flags``: more serve flags."""
     from pagedserve.bench.launch import bench_serve
 
     # long outputs and short prompts: requests stay long enough for the client to keep its concurrency
     out_len, in_len = min(512, config.max_model_len // 2), min(64, config.max_model_len // 4)
     runs = []
-    with paced_server(config, budget, cost) as (url, server), tempfile.TemporaryDirectory() as tmp:
+    with paced_server(config, budget, cost, *flags) as (url, server), tempfile.TemporaryDirectory() as tmp:
         counters = server.config.app.state.engine.core.counters
         asked = [(n, False) for n in levels if n <= config.max_num_seqs] + ([(burst, True)] if burst else [])
         for k, (c, at_once) in enumerate(asked):

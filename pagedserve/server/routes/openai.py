@@ -35,7 +35,7 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     if body.echo and tokenizer is None:
         raise InvalidRequestError("echo", "echo returns the prompt as text, and this model runs without a tokenizer.")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    streams = await state.start(rid, [body.salted(p) for p in body.prompts()], params, body.priority)
+    streams = await state.start(rid, [body.salted(p) for p in body.prompts()], params, body.priority, body.stream)
     if body.echo_only:
         streams = [_prompt_only(s) for s in streams]
     named = _token_names(body, state, tokenizer)
@@ -87,7 +87,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState,
     template_args = body.template_args(settings.trust_request_chat_template, settings.tools_when_none)
     state.admission.check_room(params.n, body.priority)
     prompt = await asyncio.to_thread(state.engine.inputs.apply_chat_template, messages, **template_args)
-    streams = await state.start(rid, [body.salted(prompt)], params, body.priority)
+    streams = await state.start(rid, [body.salted(prompt)], params, body.priority, body.stream)
     reasoning_parser = state.engine.config.args.reasoning_parser
     if reasoning_parser is not None:
         prompt_reasons = prompt_state(state.engine.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
