@@ -71,17 +71,16 @@ class _Outputs:
         self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
         self.interval = interval
-        self.pending: int | None = None  # tokens put since the reader last took some (None: none taken yet)
+        self.pending = interval or 0  # tokens put since the reader last took some; the first goes out at once
         self.ready = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.items.append(item)
         if not (isinstance(item, BaseException) or item.finished):
-            if self.pending is not None:
-                self.pending += len(item.outputs[0].token_ids)
-            elif item.outputs[0].token_ids:
-                self.pending = self.interval  # the first token goes out at once
-            if self.interval is None or (self.pending or 0) < self.interval:
+            if self.interval is None:
+                return
+            self.pending += len(item.outputs[0].token_ids)
+            if self.pending < self.interval:
                 return
         self.ready = True
         waiter, self.waiter = self.waiter, None
@@ -95,14 +94,14 @@ class _Outputs:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
         item = self.items.popleft()
-        if not isinstance(item, BaseException) and self.items and not isinstance(self.items[0], BaseException):
+        if not isinstance(item, BaseException):
             deltas = [item]
             while self.items and not isinstance(self.items[0], BaseException):
                 deltas.append(self.items.popleft())
-            item = combine(deltas)
+            if len(deltas) > 1:
+                item = combine(deltas)
         self.ready = bool(self.items)  # an error after the deltas: the next call takes it at once
-        if self.pending is not None:
-            self.pending = 0
+        self.pending = 0
         return item
 
 
