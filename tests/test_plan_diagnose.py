@@ -192,6 +192,7 @@ def test_diagnose_itl_rising_without_queue():
         s.update(parse_sample(f'pagedserve:device_wait_seconds_total{{engine="0"}} {0.02 * s["t"]}\n', s["t"]))
     d = diagnose(samples, max_num_seqs=64)
     assert "GPU idles between steps" in d.title and "--max-num-seqs" in d.first_change
+    assert "--stream-interval 4" in d.first_change  # fewer frames: the host work a token that is cheapest to cut
     assert "waited on the GPU 2 % of the window" in d.text()
 
 

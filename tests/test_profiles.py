@@ -312,6 +312,7 @@ def test_tune_writes_profiles_serve_accepts_and_a_runbook_with_the_measured_thre
     assert f"| {spec.triggers.itl_p95_ms.above:g} |" in runbook and "| 5000 |" in runbook
     assert f"--max-num-seqs {protect.max_num_seqs}" in runbook and "## The three failure situations" in runbook
     assert "--dataset-name lengths --dataset-path traffic.jsonl" in runbook  # re-tune on recorded traffic
+    assert "--stream-interval 4" in runbook  # the host-bound case names its remedy
     assert protect.max_priority is None  # fcfs: no priorities to shed by; under the priority policy, 1 and up
     by_priority = EngineArgs(model="tiny", kv_cache_memory="16MiB", max_model_len=512, max_num_seqs=8,
                              max_num_batched_tokens=512, scheduling_policy="priority").create_config(serving=True)

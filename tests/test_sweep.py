@@ -123,6 +123,7 @@ def test_a_host_bound_knee_says_so():
     rungs = ladder([100, 195, 380, 700, 1000, 1040], server_device_wait_share=[0.9, 0.85, 0.7, 0.4, 0.12, 0.03])
     res = find_knee(rungs, LOADS, KneeSettings())
     assert res.knee == 5 and "waited on the GPU 3 % of the time" in res.reason and "(the engine" in res.reason
+    assert "--stream-interval 4" in res.reason  # the reason says what to change
     assert [s.rung for s in res.signals if s.name == "host"] == [5] and not res.signals[-1].enabled
     flat = ladder([100, 200, 400, 800, 1600, 3200], server_device_wait_share=[0.05] * 6)
     assert find_knee(flat, LOADS, KneeSettings()).knee is None

@@ -184,7 +184,8 @@ def find_knee(rungs: list[dict], loads: list[float], settings: KneeSettings, uni
         wait = r.get("server_device_wait_share")
         if wait is not None and wait < HOST_BOUND:
             fire("host", i, f"the engine waited on the GPU {100 * wait:.0f} % of the time at {at}: the host "
-                            f"(scheduling, streaming), not the GPU, bounds the steps")
+                            f"(scheduling, streaming), not the GPU, bounds the steps; serve --stream-interval 4 "
+                            f"writes a quarter of the frames")
         if i == 0:
             continue
         prev = rungs[i - 1]

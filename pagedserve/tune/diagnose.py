@@ -136,8 +136,10 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
                       "beside decoding requests: requests wait for the step's token budget, not for memory")
             why = "requests wait below the sequence cap: the token budget is the bound"
         elif gpu_wait is not None and gpu_wait < HOST_BOUND:
-            change = ("fewer streams per server process: lower --max-num-seqs, or run more server processes; the "
-                      "GPU waits on the host's scheduling and streaming, so token-budget flags will not help")
+            change = ("less host work a token: --stream-interval 4 (a streamed frame every 4 tokens, a quarter of "
+                      "the writes), or fewer streams per server process (lower --max-num-seqs, run more server "
+                      "processes); the GPU waits on the host's scheduling and streaming, so token-budget flags will "
+                      "not help")
             why = "latency rises with no queue while the GPU idles between steps: the host (CPU scheduling) bounds it"
         else:
             change = ("lower --max-mixed-prefill-tokens (prompt tokens a step takes beside decodes) or "

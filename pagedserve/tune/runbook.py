@@ -188,7 +188,8 @@ def runbook(d: Derivation, doc: dict, *, model: str, device: str, serve_command:
         "queueing at the sequence cap mean the server is past its knee (shed load, add replicas); ITL rising with "
         "no queue means prefills share steps with decodes (lower --max-mixed-prefill-tokens, the prompt tokens a "
         "step takes beside decodes, or --max-num-batched-tokens) or the host is the "
-        "bottleneck.")
+        "bottleneck (the GPU waits little: `serve --stream-interval 4` sends a frame every 4 tokens, a quarter of "
+        "the server's writes, or run fewer streams per server process).")
     add("")
     add("## Files")
     add("")
