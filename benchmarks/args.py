@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from pagedserve.bench.launch import check_serve_flags, serve_flags
+from pagedserve.errors import ConfigError
+
 
 def on_off(value: str) -> list[bool]:
     """A comma-separated list of on/off settings."""
@@ -23,3 +26,14 @@ def positive(value: str) -> int:
 def positives(value: str) -> list[int]:
     """A comma-separated list of positive integers."""
     return [positive(v) for v in value.split(",")]
+
+
+def server_flags(parser: argparse.ArgumentParser, model: str, value: str) -> list[str]:
+    """A server's flags as one string, split like a shell and checked by ``pagedserve serve``'s own parser:
+    a typo, or a flag the launcher sets itself (``--port``), stops the command before any server starts."""
+    try:
+        flags = serve_flags(value)
+        check_serve_flags(model, flags)
+    except ConfigError as e:
+        parser.error(str(e))
+    return flags

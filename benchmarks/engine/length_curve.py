@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.args import server_flags
 from pagedserve.bench.launch import LocalServer, bench_serve
 from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.memory import kv_bytes_per_token, weight_bytes
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--result-dir", default="results/length-curve")
     ns = ap.parse_args()
+    serve_args = server_flags(ap, ns.model, ns.serve_args)
     lengths = [int(x) for x in ns.lengths.split(",")]
     levels = [int(x) for x in ns.concurrency.split(",")]
     out = Path(ns.result_dir)
@@ -68,7 +70,7 @@ def main() -> None:
     config = EngineArgs(model=ns.model, load_format="dummy", kv_cache_dtype=ns.kv_cache_dtype).create_config(plan_for="cuda")
     # a few tokens of slack: the tokenizer may add a BOS to the prompt
     flags = ["--load-format", "dummy", "--max-model-len", str(max(lengths) + ns.output_len + 16),
-             "--kv-cache-dtype", ns.kv_cache_dtype, *ns.serve_args.split()]
+             "--kv-cache-dtype", ns.kv_cache_dtype, *serve_args]
     rows = []
     peaks = gpu_peaks()
     with LocalServer(ns.model, flags, out / "server.log") as server:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.args import server_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_FLAGS = ("--gpu-memory-utilization 0.88 --max-model-len 8192 --max-num-seqs 16 --max-num-batched-tokens 4096 "
                 "--enable-chunked-prefill")
@@ -52,12 +54,13 @@ def main() -> None:
     ap.add_argument("--model", default="Qwen/Qwen3-8B")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--result-dir", default="results")
-    ap.add_argument("--server-flags", default=SERVER_FLAGS)
+    ap.add_argument("--serve-args", "--server-flags", default=SERVER_FLAGS,
+                    help="The server's flags, one string (--server-flags: an older name).")
     ap.add_argument("--bench-flags", default=BENCH_FLAGS)
     ns = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
     serve = [sys.executable, "-m", "pagedserve.cli", "serve", ns.model, "--load-format", "dummy", "--port", str(ns.port),
-             *ns.server_flags.split()]
+             *server_flags(ap, ns.model, ns.serve_args)]
     print("$", " ".join(serve[2:]), flush=True)
     server = subprocess.Popen(serve, env=env)
     url = f"http://127.0.0.1:{ns.port}"

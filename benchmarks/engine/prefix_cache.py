@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from benchmarks.args import server_flags
 from pagedserve.bench.launch import LocalServer, bench_serve
 
 
@@ -27,13 +28,14 @@ def main() -> None:
                                             "--max-num-batched-tokens 4096 --enable-chunked-prefill")
     ap.add_argument("--result-dir", default="results/prefix-cache")
     ns = ap.parse_args()
+    serve_args = server_flags(ap, ns.model, ns.serve_args)
     out = Path(ns.result_dir)
     out.mkdir(parents=True, exist_ok=True)
     workloads = {"shared prefix": ["--random-prefix-len", str(ns.prefix_len), "--random-input-len", str(ns.input_len)],
                  "nothing shared": ["--random-input-len", str(ns.prefix_len + ns.input_len)]}
     rows = []
     for cache in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
-        flags = ["--load-format", "dummy", cache, *ns.serve_args.split()]
+        flags = ["--load-format", "dummy", cache, *serve_args]
         with LocalServer(ns.model, flags, out / f"server{cache}.log") as server:
             for k, (name, data) in enumerate(workloads.items()):
                 r = bench_serve(server.base_url, [  # each workload its own seed: none shares the other's tokens

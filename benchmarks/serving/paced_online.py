@@ -6,7 +6,7 @@ run (a virtual clock: no host effects beyond the calibration's terms) come from 
 --model Qwen/Qwen3-8B --serve-args "..." --random-input-len 1024 --random-output-len 256 --request-rate 8
 --prompts-per-rung 128 --no-warmup --simulate h200-qwen3-8b-bf16`.
 
-python -m benchmarks.serving.paced_online [--simulate h200-qwen3-8b-bf16] [--server-flags ...] [--bench-flags ...]
+python -m benchmarks.serving.paced_online [--simulate h200-qwen3-8b-bf16] [--serve-args ...] [--bench-flags ...]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from benchmarks.args import server_flags
 from benchmarks.engine.online_serve import BENCH_FLAGS, PERCENTILE_FLAGS, SERVER_FLAGS, report
 from pagedserve.bench.launch import bench_serve
 from pagedserve.sim.calibrate import paced_server
@@ -24,12 +25,13 @@ from pagedserve.sim.ladder import Simulation
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--simulate", default="h200-qwen3-8b-bf16", help="A calibration file or a shipped one's name.")
-    ap.add_argument("--server-flags", default=SERVER_FLAGS)
+    ap.add_argument("--serve-args", "--server-flags", default=SERVER_FLAGS,
+                    help="The server's flags, one string (--server-flags: an older name).")
     ap.add_argument("--bench-flags", default=BENCH_FLAGS)
     ns = ap.parse_args()
     sim = Simulation.load(ns.simulate)
     model = sim.calibration.model
-    config, budget = sim.engine(model, ["--load-format", "dummy", *ns.server_flags.split()])
+    config, budget = sim.engine(model, ["--load-format", "dummy", *server_flags(ap, model, ns.serve_args)])
     with paced_server(config, budget, sim.calibration.cost, "--log-level", "warning") as (url, _), \
             tempfile.TemporaryDirectory() as tmp:
         result = bench_serve(url, [*ns.bench_flags.split(), *PERCENTILE_FLAGS], Path(tmp) / "run.json")

@@ -27,7 +27,8 @@ import numpy as np
 import yaml
 
 from pagedserve.bench.datasets import random_dataset
-from pagedserve.bench.launch import LocalServer, serve_flags
+from benchmarks.args import server_flags
+from pagedserve.bench.launch import LocalServer
 from pagedserve.bench.serve import TIMEOUT, BenchConfig, send_request
 
 
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--recovery-hold-s", type=float, default=None)
     ap.add_argument("--result-dir", default="results/burst")
     ns = ap.parse_args()
+    serve_args = server_flags(ap, ns.model, ns.serve_args)
     folder = Path(ns.result_dir)
     folder.mkdir(parents=True, exist_ok=True)
     spec = yaml.safe_load(Path(ns.profiles).read_text())
@@ -125,7 +127,7 @@ def main() -> None:
             spec.setdefault("recovery", {})[key] = value
     profiles = folder / "profiles.yaml"
     profiles.write_text(yaml.safe_dump(spec, sort_keys=False))
-    flags = [*serve_flags(ns.serve_args), "--profiles", str(profiles)]
+    flags = [*serve_args, "--profiles", str(profiles)]
     with LocalServer(ns.model, flags, folder / "server.log") as server:
         print(f"server up: {' '.join(server.command)}", flush=True)
         result = asyncio.run(run(ns, server.base_url))

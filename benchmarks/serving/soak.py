@@ -24,7 +24,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from pagedserve.bench.launch import LocalServer, serve_flags
+from benchmarks.args import server_flags
+from pagedserve.bench.launch import LocalServer
 from pagedserve.bench.metrics import scrape
 
 GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
@@ -143,15 +144,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result-dir", default="results/soak")
     ns = ap.parse_args()
+    serve_args = server_flags(ap, ns.model, ns.serve_args)
     folder = Path(ns.result_dir)
     # room at the entrance: a client that cuts a stream sends its next request before the server has seen
     # the disconnect, so a limit equal to the concurrency would shed some of the soak's requests
-    flags = [*serve_flags(ns.serve_args), "--max-num-queued-reqs", str(2 * ns.concurrency)]
+    flags = [*serve_args, "--max-num-queued-reqs", str(2 * ns.concurrency)]
     with LocalServer(ns.model, flags, folder / "server-soak.log") as server:
         print(f"soak: {' '.join(server.command)}", flush=True)
         soak_result = asyncio.run(soak(server.base_url, ns.requests, ns.concurrency, ns.seed))
     soak_result["server_exit_code"] = server.exit_code
-    flags = [*serve_flags(ns.serve_args), "--max-num-queued-reqs", str(ns.max_num_queued_reqs)]
+    flags = [*serve_args, "--max-num-queued-reqs", str(ns.max_num_queued_reqs)]
     with LocalServer(ns.model, flags, folder / "server-overload.log") as server:
         print(f"overload: {' '.join(server.command)}", flush=True)
         over = asyncio.run(overload(server.base_url, 10 * ns.max_num_queued_reqs))

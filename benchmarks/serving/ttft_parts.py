@@ -18,9 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.args import positives
-from pagedserve.bench.launch import LocalServer, bench_serve, check_serve_flags, serve_flags
-from pagedserve.errors import ConfigError
+from benchmarks.args import positives, server_flags
+from pagedserve.bench.launch import LocalServer, bench_serve
 from pagedserve.tune.diagnose import parse_sample
 
 REFERENCE = ("--load-format dummy --gpu-memory-utilization 0.88 --max-model-len 8192 --max-num-seqs 16 "
@@ -35,11 +34,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
     ns = p.parse_args()
-    try:  # a wrong flag is named before the server starts
-        flags = serve_flags(ns.serve_args)
-        check_serve_flags(ns.model, flags)
-    except ConfigError as e:
-        p.error(str(e))
+    flags = server_flags(p, ns.model, ns.serve_args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, LocalServer(ns.model, flags, Path(tmp) / "server.log") as server:
         def scrape() -> dict[str, float]:

@@ -338,6 +338,7 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         rows, top, dev = self.config.max_num_seqs, sizes[-1], self.device
+        free0 = torch.cuda.mem_get_info(dev)[0] if graphs else 0
         self._prompt_inputs = torch.zeros(GraphInputs.nbytes(self._prompt_fields(rows, top)), dtype=torch.uint8,
                                           device=dev)
         self._prompt_tables = torch.zeros((rows + 1, self.config.blocks_per_max_len_request), dtype=torch.int32,
@@ -354,8 +355,9 @@ class ModelRunner:
             self._prompt_graphs[size] = (*self._graphed(run, graphs), inputs, meta)
         if graphs:
             torch.cuda.synchronize(dev)
-        logger.info("Captured %d graphs for steps with prompt tokens (up to %d tokens) in %.1f secs", len(sizes),
-                    top, time.perf_counter() - t0)
+        used = free0 - torch.cuda.mem_get_info(dev)[0] if graphs else 0
+        logger.info("Captured %d graphs for steps with prompt tokens (up to %d tokens) in %.1f secs, took %.2f GiB",
+                    len(sizes), top, time.perf_counter() - t0, used / GiB)
 
     def _prompt_fields(self, rows: int, size: int) -> list[tuple[str, torch.dtype, int]]:
         """A prompt graph's inputs: ``size`` tokens over up to ``rows`` sequences and one empty row, the
