@@ -87,8 +87,9 @@ def test_open_loop_arrivals_follow_the_rate():
 def test_the_fit_recovers_a_known_model_and_reads_back():
     truth = CostModel(breakpoint=128, per_token=2e-5, per_context=3e-8, per_prefill_work=1.5e-12, fixed=3e-3,
                       eager_floor=0.012, mixed_floor=0.02, single=4.2e-3, per_prefill_key=1e-6, both_paths=1.5e-3)
-    # a graph step's time to its tokens also holds the host's part before its launch: 0.3 ms + 2 us a request
-    launch = dataclasses.replace(truth, launch_fixed=3e-4, launch_per_seq=2e-6)
+    # a graph step's time to its tokens also holds the host's part before its launch: 0.3 ms + 2 us a request,
+    # and 0.25 ms more where it carries prompt tokens
+    launch = dataclasses.replace(truth, launch_fixed=3e-4, launch_per_seq=2e-6, launch_prompt=2.5e-4)
     samples = []
     for kind, t, k, q, n in [("graph", b, b * c, 0, 0) for b in (2, 4, 16, 64, 256) for c in (128, 1024, 8192)] + \
             [("single", 1, c, 0, 0) for c in (128, 1024, 8192)] + \
@@ -98,13 +99,13 @@ def test_the_fit_recovers_a_known_model_and_reads_back():
              for o in (0, 768)] + \
             [("mixed", t + b, b * 1024, t * t, t) for b in (4, 64) for t in (2048, 8192)]:
         seqs = t if k and not q else 1
-        host = launch.launch_seconds(kind, seqs, t)
+        host = launch.launch_seconds(kind, seqs, q > 0)
         samples.append({"tokens": t, "computed": t, "decode_context": k, "prefill_work": q, "prefill_keys": n,
                         "kind": kind, "seqs": seqs, "seconds": truth.seconds(t, k, q, n, kind) + host, "launch": host})
     cost, err = CostModel.fit(samples)
     cost = cost.with_launch(samples)
     assert err < 0.01 and cost.both_paths == pytest.approx(1.5e-3, rel=0.05)
-    assert (cost.launch_fixed, cost.launch_per_seq) == pytest.approx((3e-4, 2e-6), rel=1e-6)
+    assert (cost.launch_fixed, cost.launch_per_seq, cost.launch_prompt) == pytest.approx((3e-4, 2e-6, 2.5e-4), rel=1e-6)
     for s in samples:  # the device's part, without the host's before the launch
         assert cost.seconds(s["tokens"], s["decode_context"], s["prefill_work"], s["prefill_keys"], s["kind"]) == \
             pytest.approx(s["seconds"] - s["launch"], rel=0.03)

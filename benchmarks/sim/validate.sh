@@ -34,9 +34,11 @@ latest() {  # GPU LADDER: the kept measurement of that ladder on that GPU with t
 }
 
 stored() {  # MEASURED_GPU CALIBRATION_GPU [SWEEP FLAGS]: the three kept ladders of one GPU, simulated
-  simulated "$1-qwen3-8b" Qwen/Qwen3-8B "$2-qwen3-8b-bf16" "$DOC" $(latest $1 qwen3-8b) "${3:-}"
-  simulated "$1-qwen3-0.6b" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC" $(latest $1 qwen3-0.6b) "${3:-}"
-  simulated "$1-qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC --kv-cache-memory 1GiB" \
+  # they were measured when every model's prompt graphs stopped at 512 tokens
+  local kept="$DOC --max-cudagraph-capture-size 512"
+  simulated "$1-qwen3-8b" Qwen/Qwen3-8B "$2-qwen3-8b-bf16" "$kept" $(latest $1 qwen3-8b) "${3:-}"
+  simulated "$1-qwen3-0.6b" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$kept" $(latest $1 qwen3-0.6b) "${3:-}"
+  simulated "$1-qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$kept --kv-cache-memory 1GiB" \
     $(latest $1 qwen3-0.6b-preempt) "${3:-}"
 }
 

@@ -114,7 +114,7 @@ class CostModel:
     # device's terms above are then what remains of the step
     launch_fixed: float = 0.0
     launch_per_seq: float = 0.0
-    launch_per_token: float = 0.0
+    launch_prompt: float = 0.0  # more for a step with prompt tokens (its attention tiles, tables, fills)
     launch_hidden: bool = True  # False: the launch runs in series with the step (a host-bound model)
     # S_B: seconds of the decode graph of B > 1 sequences before its context, for each size timed. The kernels
     # change with the rows (a GEMV for two, the tensor cores up to 16, cuBLAS above), which a line through the
@@ -149,17 +149,17 @@ class CostModel:
         """(the device's part, the host's) of a step: the engine's one step in flight overlaps them, so the
         longer of the two is what the step takes. The launch is the host's where it hides behind the step
         before, else it is in series with the device's part."""
-        device, launch = self.seconds(*features, kind), self.launch_seconds(kind, seqs, features[0])
+        device, launch = self.seconds(*features, kind), self.launch_seconds(kind, seqs, features[2] > 0)
         if self.launch_hidden:
             return device, self.host_seconds(seqs) + launch
         return device + launch, self.host_seconds(seqs)
 
-    def launch_seconds(self, kind: str, seqs: int, tokens: int) -> float:
-        """The host's part of a graph step; a step launched kernel by kernel is held up by its launch
-        alone, which its floor prices."""
+    def launch_seconds(self, kind: str, seqs: int, prompt: bool) -> float:
+        """The host's part of a graph step (``prompt``: it carries prompt tokens); a step launched kernel by
+        kernel is held up by its launch alone, which its floor prices."""
         if kind not in GRAPHED:
             return 0.0
-        return self.launch_fixed + self.launch_per_seq * seqs + self.launch_per_token * tokens
+        return self.launch_fixed + self.launch_per_seq * seqs + (self.launch_prompt if prompt else 0.0)
 
     def device_seconds(self, tokens: int, decode_context: int, prefill_work: int, prefill_keys: int) -> float:
         return (self.fixed + self.per_token * max(self.breakpoint, tokens) + self.per_context * decode_context
@@ -183,7 +183,7 @@ class CostModel:
         error."""
         cost, err = cls.fit(samples)
         cost = cost.with_launch(samples).with_host(host_samples)
-        if cost.host_seconds(1) + cost.launch_seconds("single", 1, 1) > LAUNCH_HIDES * cost.single:
+        if cost.host_seconds(1) + cost.launch_seconds("single", 1, False) > LAUNCH_HIDES * cost.single:
             cost = dataclasses.replace(cost, launch_hidden=False)
         return cost, err
 
@@ -236,15 +236,17 @@ class CostModel:
     def with_launch(self, samples: list[dict]) -> "CostModel":
         """This model with the launch terms fitted (least squares on relative error, non-negative, as the
         device's: the many short launches count as much as the few long ones) to the graph steps of
-        ``samples`` that carry their host part ({"seqs", "computed", "launch"})."""
+        ``samples`` that carry their host part ({"seqs", "prefill_work", "launch"}). A prompt step's inputs
+        cost the host a step's worth more whatever its tokens (a line through the tokens, fitted on small
+        steps, overprices a large graph step several times)."""
         timed = [s for s in samples if s["kind"] in GRAPHED and s.get("launch")]
         if not timed:
             return self
         y = np.array([s["launch"] for s in timed])
-        a = np.array([[1.0, s["seqs"], s["computed"]] for s in timed]) / y[:, None]
-        fixed, per_seq, per_token = _nonnegative_lstsq(a, np.ones(len(timed)))
+        a = np.array([[1.0, s["seqs"], float(s["prefill_work"] > 0)] for s in timed]) / y[:, None]
+        fixed, per_seq, prompt = _nonnegative_lstsq(a, np.ones(len(timed)))
         return dataclasses.replace(self, launch_fixed=float(fixed), launch_per_seq=float(per_seq),
-                                   launch_per_token=float(per_token))
+                                   launch_prompt=float(prompt))
 
     def with_host(self, samples: list[dict]) -> "CostModel":
         """This model with the host terms fitted (least squares, non-negative) to ``samples`` ({"seqs",
@@ -349,10 +351,11 @@ class Calibration:
                    if self.host_samples
                    else "; the server's host work not measured")
                 + (f"; a graph step's inputs and launch {1e3 * c.launch_fixed:.3f} ms + "
-                   f"{1e3 * c.launch_per_seq:.4f} ms a request + {1e6 * c.launch_per_token:.3f} us a token, "
+                   f"{1e3 * c.launch_per_seq:.4f} ms a request, {1e3 * c.launch_prompt:.3f} ms more with prompt "
+                   f"tokens, "
                    + ("hidden behind the step before" if c.launch_hidden
                       else "in series with the step (the host bounds this model's steps)")
-                   if c.launch_fixed or c.launch_per_seq or c.launch_per_token else "")
+                   if c.launch_fixed or c.launch_per_seq or c.launch_prompt else "")
                 + "".join(f" ({note})" for note in self.notes))
 
 
