@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from benchmarks.args import on_off, positives
+from benchmarks.args import on_off, positives, server_flags
 from pagedserve.bench.datasets import (NO_TOKENIZER_VOCAB, custom_dataset, describe_recorded_lengths,
                                        lengths_dataset, random_dataset, read_recorded_lengths, replayed_lengths,
                                        sharegpt_dataset)
@@ -375,6 +375,26 @@ def test_overlap_benchmark_sizes_refuse_anything_but_positive_integers():
     for bad in ("0", "256,", "-1", "x", "1.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a positive integer"):
             positives(bad)
+
+
+@pytest.mark.parametrize("module", ["benchmarks.engine.online_serve", "benchmarks.serving.soak"])
+def test_benchmarks_that_start_a_server_check_its_flags_before_starting_it(module, capsys, monkeypatch):
+    """One string of server flags, split like a shell: kept as given when `pagedserve serve` takes them; a typo,
+    or a flag the launcher sets itself, stops the command (argparse's exit 2, the flag named) before a server
+    starts. The benchmarks' own entry points go through it (online_serve still takes its older flag name)."""
+    p = argparse.ArgumentParser(prog="bench")
+    assert server_flags(p, "tiny", "--max-num-seqs 4 --served-model-name 'a b'") == \
+        ["--max-num-seqs", "4", "--served-model-name", "a b"]
+    for bad, named in (("--port 9", "--port is chosen by the launcher"), ("--max-num-seqz 4", "--max-num-seqz 4")):
+        with pytest.raises(SystemExit) as e:
+            server_flags(p, "tiny", bad)
+        assert e.value.code == 2 and named in capsys.readouterr().err
+    import importlib
+    flag = "--server-flags" if module.endswith("online_serve") else "--serve-args"
+    monkeypatch.setattr("sys.argv", [module, "--model", "tiny", flag, "--port 9"])
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main()
+    assert e.value.code == 2 and "--port is chosen by the launcher" in capsys.readouterr().err
 
 
 def test_overlap_benchmark_splits_a_mixed_step_into_batches_that_compute_the_same_rows():
