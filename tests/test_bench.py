@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 
@@ -377,11 +378,9 @@ def test_overlap_benchmark_sizes_refuse_anything_but_positive_integers():
             positives(bad)
 
 
-@pytest.mark.parametrize("module", ["benchmarks.engine.online_serve", "benchmarks.serving.soak"])
-def test_benchmarks_that_start_a_server_check_its_flags_before_starting_it(module, capsys, monkeypatch):
+def test_server_flags_are_split_like_a_shell_and_checked_before_a_server_starts(capsys):
     """One string of server flags, split like a shell: kept as given when `pagedserve serve` takes them; a typo,
-    or a flag the launcher sets itself, stops the command (argparse's exit 2, the flag named) before a server
-    starts. The benchmarks' own entry points go through it (online_serve still takes its older flag name)."""
+    or a flag the launcher sets itself, stops the command (argparse's exit 2, the flag named)."""
     p = argparse.ArgumentParser(prog="bench")
     assert server_flags(p, "tiny", "--max-num-seqs 4 --served-model-name 'a b'") == \
         ["--max-num-seqs", "4", "--served-model-name", "a b"]
@@ -389,7 +388,11 @@ def test_benchmarks_that_start_a_server_check_its_flags_before_starting_it(modul
         with pytest.raises(SystemExit) as e:
             server_flags(p, "tiny", bad)
         assert e.value.code == 2 and named in capsys.readouterr().err
-    import importlib
+
+
+@pytest.mark.parametrize("module", ["benchmarks.engine.online_serve", "benchmarks.serving.soak"])
+def test_benchmarks_that_start_a_server_check_its_flags_before_starting_it(module, capsys, monkeypatch):
+    """The benchmarks' own entry points go through that check (online_serve still takes its older flag name)."""
     flag = "--server-flags" if module.endswith("online_serve") else "--serve-args"
     monkeypatch.setattr("sys.argv", [module, "--model", "tiny", flag, "--port 9"])
     with pytest.raises(SystemExit) as e:
