@@ -146,8 +146,7 @@ EAGER_BOUND_TOKEN_WEIGHTS = 8e10
 def default_capture_size(model: ModelConfig, tensor_parallel_size: int = 1) -> int:
     """--max-cudagraph-capture-size's default: the prompt-step size below which a step launched kernel
     by kernel waits on the host, so a graph replay (padding at most a quarter) is faster. 512 (vLLM's) for
-    7-8B models; up to 4096 for small ones, whose 1,024-token prompt step otherwise takes the host 3x the
-    GPU's time."""
+    7-8B models; up to 4096 for small ones, whose large prompt steps would otherwise wait on the host."""
     tokens = EAGER_BOUND_TOKEN_WEIGHTS * tensor_parallel_size / model.layer_params()
     return int(min(4096, max(512, tokens // 256 * 256)))
 

@@ -149,7 +149,8 @@ class CostModel:
         """(the device's part, the host's) of a step: the engine's one step in flight overlaps them, so the
         longer of the two is what the step takes. The launch is the host's where it hides behind the step
         before, else it is in series with the device's part."""
-        device, launch = self.seconds(*features, kind), self.launch_seconds(kind, seqs, features[2] > 0)
+        prompt = features[2] > 0  # the step has prefill work: prompt tokens
+        device, launch = self.seconds(*features, kind), self.launch_seconds(kind, seqs, prompt)
         if self.launch_hidden:
             return device, self.host_seconds(seqs) + launch
         return device + launch, self.host_seconds(seqs)
