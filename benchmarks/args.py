@@ -1,12 +1,15 @@
-"""Argument types the benchmark commands share: a bad value stops the command with a message naming its flag
-(argparse), instead of meaning something else or failing later."""
+"""Argument types and the entry point the benchmark commands share: a bad value stops the command with a message
+naming its flag, instead of meaning something else, failing later or ending in a traceback."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from collections.abc import Callable
 
 from pagedserve.bench.launch import check_serve_flags, serve_flags
-from pagedserve.errors import ConfigError
+from pagedserve.errors import ConfigError, reported
 
 
 def on_off(value: str) -> list[bool]:
@@ -37,3 +40,10 @@ def server_flags(parser: argparse.ArgumentParser, model: str, value: str) -> lis
     except ConfigError as e:
         parser.error(str(e))
     return flags
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """A benchmark's entry point: an engine error for a bad flag or request (or a load test that could not run)
+    ends it with its message, as ``pagedserve``'s own commands end."""
+    with reported(os.path.basename(sys.argv[0])):
+        main()

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 
+from benchmarks.args import run_main
 from pagedserve import LLM, SamplingParams
 from pagedserve.model import fused
 from pagedserve.model.cuda_gemv import CudaGemv
@@ -235,4 +236,4 @@ def gemv_runs(prompts, params, max_num_seqs: int = 1) -> tuple[list, list]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

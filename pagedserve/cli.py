@@ -12,7 +12,7 @@ import sys
 import time
 
 from pagedserve.args import Parser, add_engine_args, engine_args_from, setup_logging
-from pagedserve.errors import BenchmarkError, ConfigError, InvalidRequestError
+from pagedserve.errors import reported
 
 DEFAULT_PROMPTS = [
     "Hello, my name is",
@@ -94,16 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     ns.argv = argv  # recorded in results, to re-run them
     setup_logging(getattr(ns, "log_level", "INFO"))
-    try:
+    with reported(f"pagedserve {ns.command}"):
         ns.func(ns)
-    except (ConfigError, InvalidRequestError) as e:
-        print(f"pagedserve {ns.command}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except BenchmarkError as e:  # the load test could not run against the server
-        print(f"pagedserve {ns.command}: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 if __name__ == "__main__":

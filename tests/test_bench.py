@@ -11,14 +11,14 @@ import numpy as np
 import openai
 import pytest
 
-from benchmarks.args import on_off, positives, server_flags
+from benchmarks.args import on_off, positives, run_main, server_flags
 from pagedserve.bench.datasets import (NO_TOKENIZER_VOCAB, custom_dataset, describe_recorded_lengths,
                                        lengths_dataset, random_dataset, read_recorded_lengths, replayed_lengths,
                                        sharegpt_dataset)
 from pagedserve.bench.metrics import RequestResult, calculate_metrics, parse_goodput, scrape
 from pagedserve.bench.serve import SCRAPED, arrival_delays
 from pagedserve.cli import main
-from pagedserve.errors import ConfigError
+from pagedserve.errors import BenchmarkError, ConfigError
 from tests.serving import metric_values, running_server
 
 
@@ -398,6 +398,23 @@ def test_benchmarks_that_start_a_server_check_its_flags_before_starting_it(modul
     with pytest.raises(SystemExit) as e:
         importlib.import_module(module).main()
     assert e.value.code == 2 and "--port is chosen by the launcher" in capsys.readouterr().err
+
+
+def test_a_benchmark_refused_by_the_engine_ends_with_its_message_not_a_traceback(capsys, monkeypatch):
+    """A benchmark whose flags the engine refuses (a cache dtype its calibration was not measured with) ends as
+    `pagedserve`'s commands do: the message on stderr and exit status 2; a load test that could not run, status 1."""
+    monkeypatch.setattr("sys.argv", ["paced_online.py", "--serve-args", "--kv-cache-dtype fp8"])
+    with pytest.raises(SystemExit) as e:
+        run_main(importlib.import_module("benchmarks.serving.paced_online").main)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("paced_online.py: error: --simulate h200-qwen3-8b-bf16 was measured")
+    assert "h200-qwen3-8b-fp8" in err and "Traceback" not in err
+
+    def server_gone() -> None:
+        raise BenchmarkError("the server went away")
+    with pytest.raises(SystemExit) as e:
+        run_main(server_gone)
+    assert e.value.code == 1 and "paced_online.py: error: the server went away" in capsys.readouterr().err
 
 
 def test_overlap_benchmark_splits_a_mixed_step_into_batches_that_compute_the_same_rows():

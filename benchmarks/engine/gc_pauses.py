@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from benchmarks.args import positive
+from benchmarks.args import positive, run_main
 from pagedserve import LLM, SamplingParams
 
 
@@ -56,4 +56,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

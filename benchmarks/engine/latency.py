@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 
-from benchmarks.args import on_off
+from benchmarks.args import on_off, run_main
 from benchmarks.kernels.harness import graph_ms
 from pagedserve import LLM, SamplingParams
 from pagedserve.bench.latency import run_latency
@@ -176,4 +176,4 @@ def profile_replays(runner, bs: int, reps: int = 20) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

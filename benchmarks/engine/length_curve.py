@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.args import server_flags
+from benchmarks.args import run_main, server_flags
 from pagedserve.bench.launch import LocalServer, bench_serve
 from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.memory import kv_bytes_per_token, weight_bytes
@@ -99,4 +99,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

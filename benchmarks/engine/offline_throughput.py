@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 
+from benchmarks.args import run_main
 from benchmarks.engine.length_curve import gpu_peaks
 from pagedserve import LLM, SamplingParams
 from pagedserve.builtin.known_models import KNOWN_MODELS
@@ -243,4 +244,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

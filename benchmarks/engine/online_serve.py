@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.args import server_flags
+from benchmarks.args import run_main, server_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_FLAGS = ("--gpu-memory-utilization 0.88 --max-model-len 8192 --max-num-seqs 16 --max-num-batched-tokens 4096 "
@@ -92,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.args import server_flags
+from benchmarks.args import run_main, server_flags
 from pagedserve.bench.launch import LocalServer, bench_serve
 
 
@@ -54,4 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offline_throughput import add_workload_args, make_llm, workload
 
+from benchmarks.args import run_main
 from pagedserve import SamplingParams
 from pagedserve.outputs import RequestOutputKind
 
@@ -74,4 +75,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from benchmarks.args import positives
+from benchmarks.args import positives, run_main
 from benchmarks.kernels.harness import graph_ms, kernel_ms, per_call_us
 from pagedserve.model.mma_gemv import Tile, mma_gemv, tile_for
 
@@ -330,4 +330,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

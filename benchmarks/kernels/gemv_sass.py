@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.args import run_main
 from pagedserve.builtin.known_models import KNOWN_MODELS
 from pagedserve.config import ModelConfig
 from pagedserve.model.cuda_gemv import _KERNEL, _SOURCE, CudaGemv
@@ -147,4 +148,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

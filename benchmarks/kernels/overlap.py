@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from benchmarks.args import positive, positives
+from benchmarks.args import positive, positives, run_main
 from benchmarks.kernels.harness import captured, graph_ms
 from pagedserve.config import EngineArgs
 from pagedserve.model.attention import AttentionMetadata
@@ -164,4 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

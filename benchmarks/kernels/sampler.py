@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 
+from benchmarks.args import run_main
 from benchmarks.kernels.harness import kernel_ms
 from pagedserve.model import fused
 
@@ -30,4 +31,4 @@ def main(vocab: int = 151936) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

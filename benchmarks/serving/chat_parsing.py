@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from benchmarks.args import run_main
 from pagedserve.reasoning import ReasoningSplitter
 from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.tools import HermesParser
@@ -52,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 
+from benchmarks.args import run_main
 from pagedserve.config import EngineArgs
 from pagedserve.model.worker import Worker
 from pagedserve.sim.calibrate import FREE_STEPS, bench_server
@@ -102,4 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

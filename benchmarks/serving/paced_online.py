@@ -15,7 +15,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from benchmarks.args import server_flags
+from benchmarks.args import run_main, server_flags
 from benchmarks.engine.online_serve import BENCH_FLAGS, PERCENTILE_FLAGS, SERVER_FLAGS, report
 from pagedserve.bench.launch import bench_serve
 from pagedserve.sim.calibrate import paced_server
@@ -40,4 +40,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

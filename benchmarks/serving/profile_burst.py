@@ -27,7 +27,7 @@ import numpy as np
 import yaml
 
 from pagedserve.bench.datasets import random_dataset
-from benchmarks.args import server_flags
+from benchmarks.args import run_main, server_flags
 from pagedserve.bench.launch import LocalServer
 from pagedserve.bench.serve import TIMEOUT, BenchConfig, send_request
 
@@ -146,4 +146,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from benchmarks.args import server_flags
+from benchmarks.args import run_main, server_flags
 from pagedserve.bench.launch import LocalServer
 from pagedserve.bench.metrics import scrape
 
@@ -173,4 +173,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.args import positives, server_flags
+from benchmarks.args import positives, run_main, server_flags
 from pagedserve.bench.launch import LocalServer, bench_serve
 from pagedserve.tune.diagnose import parse_sample
 
@@ -63,4 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks.args import run_main
+
 METRICS = (("output_throughput", "out tok/s", "{:,.0f}"), ("p95_ttft_ms", "p95 TTFT ms", "{:,.0f}"),
            ("p95_itl_ms", "p95 ITL ms", "{:.2f}"), ("p95_e2el_ms", "p95 E2EL ms", "{:,.0f}"))
 
@@ -57,4 +59,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

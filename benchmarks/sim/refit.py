@@ -16,6 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks.args import run_main
 from pagedserve.args import engine_flags
 from pagedserve.config import EngineArgs
 from pagedserve.errors import ConfigError
@@ -62,7 +63,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ConfigError as e:
-        sys.exit(f"refit: {e}")
+    run_main(lambda: main(sys.argv[1:]))
