@@ -77,6 +77,7 @@ CMPL = "/v1/completions"
      400, "--enable-auto-tool-choice"),
     # fields that would change the question, which this server does not do: refused, not ignored
     (CMPL, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    (CMPL, {"prompt": "hi", "best_of": 1, "n": 2}, 400, "best_of must equal n"),
     (CMPL, {"prompt": "hi", "suffix": " and so on"}, 400, "suffix"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, 400, "send tools"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400, "Beam search"),

@@ -32,8 +32,9 @@ class StreamOptions(_Body):
 # fields OpenAI or vLLM clients send that would change what is asked for and that this server does not do:
 # a 400 that says so, rather than a warning and an answer to another question
 _REFUSED = {
-    "best_of": (lambda v, n: isinstance(v, int) and v > n,
-                "best_of (the best of several samples) is not supported: ask for n samples and choose among them."),
+    "best_of": (lambda v, n: isinstance(v, int) and v != n,
+                "best_of must equal n: choosing the best of several samples is not supported; ask for n samples "
+                "and choose among them."),
     "suffix": (lambda v, n: bool(v), "suffix (text to follow the completion) is not supported."),
     "functions": (lambda v, n: bool(v), "The legacy functions field is not supported: send tools (and tool_choice)."),
     "function_call": (lambda v, n: v not in (None, "none"),
