@@ -100,15 +100,23 @@ def test_the_fit_recovers_a_known_model_and_reads_back():
             [("mixed", t + b, b * 1024, t * t, t) for b in (4, 64) for t in (2048, 8192)]:
         seqs = t if k and not q else 1
         host = launch.launch_seconds(kind, seqs, q > 0)
+        # a step launched kernel by kernel: the host's launch, its floor, timed beside the step
+        floor = {"eager": truth.eager_floor, "mixed": truth.mixed_floor}.get(kind, 0.0)
         samples.append({"tokens": t, "computed": t, "decode_context": k, "prefill_work": q, "prefill_keys": n,
-                        "kind": kind, "seqs": seqs, "seconds": truth.seconds(t, k, q, n, kind) + host, "launch": host})
+                        "kind": kind, "seqs": seqs, "seconds": truth.seconds(t, k, q, n, kind) + host,
+                        "launch": host or floor})
     cost, err = CostModel.fit(samples)
     cost = cost.with_launch(samples)
     assert err < 0.01 and cost.both_paths == pytest.approx(1.5e-3, rel=0.05)
+    # every eager step here is longer than its launch, so only the timed launches tell the floors; untimed (a CPU
+    # calibration, whose launch computes the step) a scan of the steps' times fits as well without knowing them
+    assert (cost.eager_floor, cost.mixed_floor) == (0.012, 0.02)
+    untimed = [{**s, "launch": 0.0} if s["kind"] in ("eager", "mixed") else s for s in samples]
+    assert CostModel.fit(untimed)[1] < 0.01
     assert (cost.launch_fixed, cost.launch_per_seq, cost.launch_prompt) == pytest.approx((3e-4, 2e-6, 2.5e-4), rel=1e-6)
-    for s in samples:  # the device's part, without the host's before the launch
+    for s in samples:  # the device's part, without a graph step's host part before the launch
         assert cost.seconds(s["tokens"], s["decode_context"], s["prefill_work"], s["prefill_keys"], s["kind"]) == \
-            pytest.approx(s["seconds"] - s["launch"], rel=0.03)
+            pytest.approx(s["seconds"] - launch.launch_seconds(s["kind"], s["seqs"], s["prefill_work"] > 0), rel=0.03)
     # the launch hides behind the step before where the host's work a step (the server's at one request and
     # the launch, 0.2 + 0.302 ms here) is at most a third of one decode's 4.2 ms + context; else it runs in
     # series with the step, and the server's work alone is the host's part

@@ -25,9 +25,9 @@ HTTP request, tokenizing, admission), and requests sent at once reach it one aft
 apart: the client and the server's way in handle one request at a time. A token reaches the client a random
 delay after its step ends (exponential, its mean growing with the requests in the step: the server writes
 the streams one by one between other work), which spreads the inter-token latencies the client sees without
-slowing the engine. Fitted by least squares on relative error over a scan of T*, H and M (the host's terms
-on their own measurements); each coefficient keeps a physical meaning, so a calibration can be read and
-checked.
+slowing the engine. H and M are the launches of such steps as timed (a device-bound step's time says nothing
+of its floor); the rest is fitted by least squares on relative error over a scan of T* (the host's terms on their
+own measurements); each coefficient keeps a physical meaning, so a calibration can be read and checked.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ from pagedserve.model.step import StepInputs
 
 # a sample's "computed" is its tokens as the step computed them: a graph replay pads up to the graph's size
 FEATURES = ("computed", "decode_context", "prefill_work", "prefill_keys")
+# a step launched kernel by kernel that took no longer than this times its own launch waited on the host: its time
+# says nothing of the device's
+HOST_BOUND = 1.05
 GRAPHED = ("single", "graph")  # step kinds replayed as CUDA graphs: the host prepares them ahead
 # A graph step's launch hides behind the step before only where the host's work a step (the server's at one
 # request, and the launch) is at most this share of one sequence's decode on the device. In a server the
@@ -190,10 +193,11 @@ class CostModel:
 
     @classmethod
     def fit(cls, samples: list[dict]) -> tuple["CostModel", float]:
-        """Least squares on relative error over a scan of the breakpoint and the two floors; returns the
-        model and its mean absolute percentage error on ``samples`` ({"computed", "decode_context",
-        "prefill_work", "prefill_keys", "kind", "seconds", and for a graph step optionally "launch": its host's
-        part, not the device's). For each pair of floors, the device terms are fitted to the
+        """Least squares on relative error over a scan of the breakpoint (and of the floors where their
+        launches were not timed); returns the model and its mean absolute percentage error on ``samples``
+        ({"computed", "decode_context", "prefill_work", "prefill_keys", "kind", "seconds", and optionally
+        "launch": the host's part before the launch returns, which for a graph step is not the device's). For
+        each pair of floors, the device terms are fitted to the
         steps they do not hold up (graph replays, and eager steps measured above their floor); S is then the
         median of the single decodes' time less their context's, and S_B the same for each decode graph size."""
         if len(samples) < 5:
@@ -205,7 +209,13 @@ class CostModel:
         decode_graph = (kind == "graph") & (x[:, 2] == 0)
         graph_rows = {int(b): decode_graph & (x[:, 0] == b) for b in np.unique(x[decode_graph, 0])}
 
-        def candidates(mask: np.ndarray) -> np.ndarray:  # 0, or a time measured in the lower half of the kind
+        launched = np.array([s.get("launch", 0.0) for s in samples])
+
+        def candidates(mask: np.ndarray) -> np.ndarray:
+            """The kind's floor: its launches as timed on a GPU (their median); where none were (a CPU, whose
+            launch computes the step), 0 or a time measured in the lower half of the kind."""
+            if (timed := mask & (launched > 0)).any():
+                return np.array([np.median(launched[timed])])
             return np.concatenate([[0.0], np.unique(y[mask & (y <= np.median(y[mask]))])]) if mask.any() else np.zeros(1)
 
         bps = np.unique(np.concatenate([[1.0], np.geomspace(1, max(2.0, x[:, 0].max()), 64)]))
@@ -216,7 +226,7 @@ class CostModel:
         for h in candidates(eager):
             for m in candidates(mixed):
                 floor = np.where(eager, h, np.where(mixed, m, 0.0))
-                free = (y > floor) & ~single
+                free = (y > np.where(launched > 0, HOST_BOUND * launched, floor)) & ~single
                 for bp, a in zip(bps, a_all):
                     coef = _nonnegative_lstsq(a[free] / y[free, None], np.ones(int(free.sum())))
                     pred = np.maximum(floor, a @ coef)
