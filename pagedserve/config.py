@@ -137,18 +137,11 @@ class ModelConfig:
         return self.num_layers * self.layer_params() + embed + head + self.hidden_size
 
 
-# A prompt step launched kernel by kernel cannot end before the host has launched each layer's ~9 kernels
-# (~0.4 ms a layer on an H100 server), while the GPU multiplies each token through a layer's weights at
-# ~400 TFLOP/s: below this many tokens x weights a layer, the launch outlasts the GPU's work.
-EAGER_BOUND_TOKEN_WEIGHTS = 8e10
-
-
-def default_capture_size(model: ModelConfig, tensor_parallel_size: int = 1) -> int:
-    """--max-cudagraph-capture-size's default: the prompt-step size below which a step launched kernel
-    by kernel waits on the host, so a graph replay (padding at most a quarter) is faster. 512 (vLLM's) for
-    7-8B models; up to 4096 for small ones, whose large prompt steps would otherwise wait on the host."""
-    tokens = EAGER_BOUND_TOKEN_WEIGHTS * tensor_parallel_size / model.layer_params()
-    return int(min(4096, max(512, tokens // 256 * 256)))
+# The largest step with prompt tokens replayed as a CUDA graph unless told: a step launched kernel by kernel
+# waits on the host's launch (~0.8 ms a layer in a serving process, whose event loop shares the interpreter)
+# beside the GPU's work, which for a 1,024-token step of any model up to 8B is no longer than that, so graphs
+# up to the step budget shorten prompt steps at every size measured.
+DEFAULT_CAPTURE_SIZE = 4096
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,7 +326,7 @@ class EngineArgs:
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (model dtype), bfloat16, float16, float32, fp8 (=fp8_e4m3), fp8_e5m2.")
     device: str = _arg("auto", "auto, cuda or cpu.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs.")
-    max_cudagraph_capture_size: int | None = _arg(None, "Largest step with prompt tokens (prompt chunks, with or without decodes) replayed as a CUDA graph; larger ones are launched kernel by kernel, which holds a small model's step to the host's launch time. Up to --max-num-batched-tokens; each graph pads its steps by at most a quarter. Decode-only steps have graphs up to --max-num-seqs whatever this is. Default: 512 for 7-8B models (vLLM's), more for smaller ones, up to 4096: the size below which such a step launched kernel by kernel waits on the host (8e10 / a layer's parameters, in tokens).", size=True)
+    max_cudagraph_capture_size: int | None = _arg(None, "Largest step with prompt tokens (prompt chunks, with or without decodes) replayed as a CUDA graph; larger ones are launched kernel by kernel, which holds a small model's step to the host's launch time. Up to --max-num-batched-tokens; each graph pads its steps by at most a quarter. Decode-only steps have graphs up to --max-num-seqs whatever this is. Default: 4096 (vLLM's is 512): a larger prompt step launched kernel by kernel waits on the host's launch, for models up to 8B at least.", size=True)
     tensor_parallel_size: int = _arg(1, "Number of GPUs to shard the model over.")
     attention_backend: str = _arg("auto", "Attention implementation: auto (triton on CUDA, torch elsewhere), triton, or torch (the reference).")
     trust_remote_code: bool = _arg(False, "Accepted for vLLM compatibility, and refused: pagedserve never runs code from a model folder.")
@@ -431,7 +424,7 @@ class EngineArgs:
 
         capture = parse_size(self.max_cudagraph_capture_size, "max_cudagraph_capture_size")
         if capture is None:
-            capture = default_capture_size(m, self.tensor_parallel_size)
+            capture = DEFAULT_CAPTURE_SIZE
         elif capture < 0:
             raise ConfigError(f"{flag('max_cudagraph_capture_size')}: {capture} must be >= 0 (0: steps with prompt "
                               f"tokens are never replayed as graphs).")

@@ -35,14 +35,14 @@ def test_qwen3_8b_on_h200_by_hand():
     # the engine logged 780,192 KV tokens for this exact configuration on the H200 (docs/lab-notes.md)
     assert abs(b.kv_tokens - 780_192) / 780_192 < 0.03
     assert not plan.failures and not plan.warnings
-    # graphs: 13 prompt sizes up to 512 tokens and 5 decode batch sizes up to 16, in one pool that holds
-    # the largest prompt graph's activations; larger prompt graphs add sizes and a larger pool
-    pool = 512 * (2 * 4096 + 3 * 12288) * 2
-    assert plan.cuda_graphs == (13 + 5) * GRAPH_ESTIMATE_PER_SIZE + pool
-    big = make_plan(EngineArgs(model="Qwen/Qwen3-8B", gpu_memory_utilization=0.88, max_model_len=8192,
-                               max_num_seqs=16, max_num_batched_tokens=4096, max_cudagraph_capture_size=4096),
-                    gpu="H200-141GB")
-    assert big.cuda_graphs == (25 + 5) * GRAPH_ESTIMATE_PER_SIZE + 8 * pool
+    # graphs: 25 prompt sizes up to 4096 tokens and 5 decode batch sizes up to 16, in one pool that holds
+    # the largest prompt graph's activations; smaller prompt graphs take fewer sizes and a smaller pool
+    pool = 4096 * (2 * 4096 + 3 * 12288) * 2
+    assert plan.cuda_graphs == (25 + 5) * GRAPH_ESTIMATE_PER_SIZE + pool
+    small = make_plan(EngineArgs(model="Qwen/Qwen3-8B", gpu_memory_utilization=0.88, max_model_len=8192,
+                                 max_num_seqs=16, max_num_batched_tokens=4096, max_cudagraph_capture_size=512),
+                      gpu="H200-141GB")
+    assert small.cuda_graphs == (13 + 5) * GRAPH_ESTIMATE_PER_SIZE + pool // 8
 
 
 def test_llama_tensor_parallel_fp8_by_hand():
