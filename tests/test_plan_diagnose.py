@@ -11,7 +11,7 @@ from pagedserve import LLM
 from pagedserve.cli import main
 from pagedserve.config import EngineArgs
 from pagedserve.tune.diagnose import diagnose, parse_sample
-from pagedserve.tune.plan import GPU_PRESETS, GRAPH_ESTIMATE_PER_SIZE, NON_TORCH_ESTIMATE, make_plan
+from pagedserve.tune.plan import GPU_PRESETS, GRAPH_OVERHEAD_PER_SIZE, NON_TORCH_ESTIMATE, make_plan
 from tests.serving import running_server
 
 MiB = 2**20
@@ -35,14 +35,18 @@ def test_qwen3_8b_on_h200_by_hand():
     # the engine logged 780,192 KV tokens for this exact configuration on the H200 (docs/lab-notes.md)
     assert abs(b.kv_tokens - 780_192) / 780_192 < 0.03
     assert not plan.failures and not plan.warnings
-    # graphs: 25 prompt sizes up to 4096 tokens and 5 decode batch sizes up to 16, in one pool that holds
-    # the largest prompt graph's activations; smaller prompt graphs take fewer sizes and a smaller pool
+    # graphs: 25 prompt sizes up to 4096 tokens (25,952 tokens in all) keeping their hidden states, and 5 decode
+    # batch sizes up to 16 (31 rows) their logits, in one pool that holds the largest prompt graph's activations;
+    # smaller prompt graphs take fewer sizes (13, 2,656 tokens) and a smaller pool
     pool = 4096 * (2 * 4096 + 3 * 12288) * 2
-    assert plan.cuda_graphs == (25 + 5) * GRAPH_ESTIMATE_PER_SIZE + pool
+    outputs = (31 * 151936 + 25_952 * 4096) * 2
+    assert plan.cuda_graphs == (25 + 5) * GRAPH_OVERHEAD_PER_SIZE + outputs + pool
+    # the server logged 0.10 + 0.61 GiB for these graphs on an H100 (docs/performance.md)
+    assert 0.71 < plan.cuda_graphs / 2**30 < 0.71 * 1.2
     small = make_plan(EngineArgs(model="Qwen/Qwen3-8B", gpu_memory_utilization=0.88, max_model_len=8192,
                                  max_num_seqs=16, max_num_batched_tokens=4096, max_cudagraph_capture_size=512),
                       gpu="H200-141GB")
-    assert small.cuda_graphs == (13 + 5) * GRAPH_ESTIMATE_PER_SIZE + pool // 8
+    assert small.cuda_graphs == (13 + 5) * GRAPH_OVERHEAD_PER_SIZE + (31 * 151936 + 2_656 * 4096) * 2 + pool // 8
 
 
 def test_llama_tensor_parallel_fp8_by_hand():

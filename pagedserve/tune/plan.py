@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from pagedserve.config import EngineArgs, EngineConfig
-from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, compute_budget, dtype_name, fmt_bytes,
-                               weight_bytes)
+from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, compute_budget, dtype_bytes, dtype_name,
+                               fmt_bytes, weight_bytes)
 from pagedserve.model.runner import graph_sizes
 
 MiB = 2**20
@@ -42,7 +42,7 @@ GPU_PEAKS: dict[str, tuple[float, float]] = {
 FP8_KV_GPUS = ("H200-141GB", "H100-80GB", "L40S", "RTX-4090")  # the fp8 kernels need Ada or Hopper
 NON_TORCH_ESTIMATE = 256 * MiB       # cuBLAS/Triton workspaces, with room above what an H200 run logged
 NCCL_ESTIMATE = 512 * MiB            # communication buffers per rank when tensor parallel
-GRAPH_ESTIMATE_PER_SIZE = 32 * MiB   # per captured graph size, above what Qwen3-8B's graphs took
+GRAPH_OVERHEAD_PER_SIZE = 8 * MiB   # what a captured graph holds beyond its output (logs: 4.6-7.5 MiB, 0.6B to 8B)
 WORKSPACE_HEADROOM = GiB             # what CUDA context, allocator slack and spikes need beyond graphs
 
 
@@ -129,9 +129,11 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
         non_torch=non_torch, device_total=total, utilization=args.gpu_memory_utilization if on_gpu else None,
         kv_cache_memory=cfg.kv_cache_memory, num_blocks_override=args.num_gpu_blocks_override, tp=tp)
     decode_graphs, prompt_graphs = graph_sizes(cfg)  # none on a CPU, with --enforce-eager or the torch backend
-    # graphs share one memory pool, which holds the largest prompt graph's activations
+    # each graph keeps its output (a decode graph its logits, a prompt graph its hidden states) and a little of
+    # its own; they share one pool, which holds the largest prompt graph's activations
+    outputs = (sum(decode_graphs) * m.vocab_size + sum(prompt_graphs) * m.hidden_size) * dtype_bytes(cfg.dtype)
     pool = activation_peak_estimate(m, prompt_graphs[-1], 0, cfg.dtype, tp) if prompt_graphs else 0
-    graphs = GRAPH_ESTIMATE_PER_SIZE * (len(decode_graphs) + len(prompt_graphs)) + pool
+    graphs = GRAPH_OVERHEAD_PER_SIZE * (len(decode_graphs) + len(prompt_graphs)) + outputs + pool
     lengths = {f"max_model_len {cfg.max_model_len}": cfg.max_model_len}
     if input_len or output_len:
         n = (input_len or 0) + (output_len or 0)
