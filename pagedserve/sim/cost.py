@@ -226,7 +226,8 @@ class CostModel:
         for h in candidates(eager):
             for m in candidates(mixed):
                 floor = np.where(eager, h, np.where(mixed, m, 0.0))
-                free = (y > np.where(launched > 0, HOST_BOUND * launched, floor)) & ~single
+                held = np.where(eager | mixed, np.where(launched > 0, HOST_BOUND * launched, floor), 0.0)
+                free = (y > held) & ~single
                 for bp, a in zip(bps, a_all):
                     coef = _nonnegative_lstsq(a[free] / y[free, None], np.ones(int(free.sum())))
                     pred = np.maximum(floor, a @ coef)
