@@ -120,6 +120,17 @@ def test_a_result_folder_that_cannot_be_made_fails_before_the_work(tmp_path, cap
         assert f"--result-dir {blocker / 'out'}" in err and "cannot be created" in err and "Traceback" not in err
 
 
+def test_a_prompt_count_below_one_is_refused_before_any_work(capsys):
+    """bench serve and bench throughput take --num-prompts as argparse's type: 0, a negative or a fraction stops
+    the command naming the flag, before a model loads or a server is asked."""
+    for command in (["bench", "throughput", "--model", "tiny"], ["bench", "serve", "--base-url", "http://127.0.0.1:9"]):
+        for bad in ("0", "-1", "1.5"):
+            with pytest.raises(SystemExit) as e:
+                main([*command, "--num-prompts", bad])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"argument --num-prompts: '{bad}': must be a whole number of at least 1" in err
+
+
 def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(capsys):
     import socket
 

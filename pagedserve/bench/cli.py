@@ -14,6 +14,13 @@ from pagedserve.errors import ConfigError
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the APIs bench serve and sweep drive
 
 
+def _count(value: str) -> int:
+    """A number of prompts: a whole number of at least 1 (argparse names the flag when it is not)."""
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a whole number of at least 1")
+    return int(value)
+
+
 def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: bool = True,
                       short_lens: bool = False) -> None:
     """Dataset flags; ``client``: also --seed and --tokenizer (bench throughput has the engine's);
@@ -26,7 +33,7 @@ def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: boo
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON, custom JSONL ({\"prompt\", \"output_len\"}), "
                                                         "or a --record-lengths file.")
     if num_prompts:
-        d.add_argument("--num-prompts", type=int, default=1000)
+        d.add_argument("--num-prompts", type=_count, default=1000)
     d.add_argument("--random-input-len", *(("--input-len",) if short_lens else ()), type=int, default=1024)
     d.add_argument("--random-output-len", *(("--output-len",) if short_lens else ()), type=int, default=128)
     d.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -54,8 +61,6 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     from pagedserve.bench.metrics import METRIC_KEYS, parse_goodput
     from pagedserve.bench.serve import BenchConfig, format_table, run_benchmark, served_model
 
-    if ns.num_prompts < 1:
-        raise ConfigError("--num-prompts must be at least 1.")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ConfigError("--max-concurrency must be at least 1.")
     if ns.request_rate <= 0 or ns.burstiness <= 0:
