@@ -368,9 +368,11 @@ def test_behind_a_proxy_prefix_and_sagemaker_routes(capsys):
     with running_server(*ENGINE_FLAGS, "--max-num-queued-reqs", "1") as (url, app):
         app.state.server.admission.check_room = _always_full
         assert "full" in _error(httpx.post(f"{url}/invocations", json={"prompt": "Hi"}), 503)["message"]
-    with pytest.raises(SystemExit) as e:
-        main(["serve", "tiny", *ENGINE_FLAGS, "--root-path", "llm/"])
-    assert e.value.code == 2 and "--root-path" in capsys.readouterr().err
+    for flags, named in ((["--root-path", "llm/"], "--root-path"), (["--served-model-name", "a", " "],
+                                                                   "--served-model-name ['a', ' ']: a name is empty")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "tiny", *ENGINE_FLAGS, *flags])
+        assert e.value.code == 2 and named in capsys.readouterr().err
 
 
 def _always_full(n: int) -> None:

@@ -224,6 +224,9 @@ def build_server(ns: argparse.Namespace, worker=None):
         raise ConfigError("--shutdown-timeout must be zero or more seconds.")
     if ns.api_key is not None and not ns.api_key.strip():
         raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without one.")
+    if ns.served_model_name is not None and not all(name.strip() for name in ns.served_model_name):
+        raise ConfigError(f"--served-model-name {ns.served_model_name}: a name is empty; give the names clients "
+                          f"send as model, or leave the flag out to serve under the model's own name.")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser: say how the model writes its calls "
                           "(hermes for Qwen2.5/Qwen3/Hermes, llama3_json for Llama 3.1+, mistral for Mistral, "
