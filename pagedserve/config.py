@@ -119,8 +119,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer (what every token of a step multiplies through)."""
+    def num_params(self) -> int:
+        """Parameter count; tied embeddings are counted once."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h
@@ -128,13 +128,10 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * d
-        return attn + 3 * h * i + 2 * h
-
-    def num_params(self) -> int:
-        """Parameter count; tied embeddings are counted once."""
-        embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * self.layer_params() + embed + head + self.hidden_size
+        layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * layer + embed + head + h
 
 
 # The largest step with prompt tokens replayed as a CUDA graph unless told: launched kernel by kernel, such a
