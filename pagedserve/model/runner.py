@@ -267,7 +267,7 @@ class ModelRunner:
         the extra rows padded (sequence length 0, K/V written to the trash slot). ``graphs=False`` keeps
         the same padded steps but runs them kernel by kernel (how they are checked without CUDA graphs)."""
         t0 = time.perf_counter()
-        free0 = torch.cuda.mem_get_info(self.device)[0] if graphs else 0
+        free0 = self._free_memory(graphs)
         sizes = decode_graph_sizes(self.config.max_num_seqs)
         top, dev = sizes[-1], self.device
         # the 1-D inputs of every size share one device buffer, each graph its own layout of it
@@ -285,11 +285,17 @@ class ModelRunner:
                 return self.model.compute_logits(self.model(inputs["ids"], inputs["positions"], self.kv_caches, meta))
 
             self._graphs[bs] = (*self._graphed(run, graphs), inputs, meta)
-        if graphs:
-            torch.cuda.synchronize(dev)
-        used = free0 - torch.cuda.mem_get_info(dev)[0] if graphs else 0
+        used = free0 - self._free_memory(graphs)
         logger.info("Graph capturing finished in %.1f secs, took %.2f GiB (%d decode batch sizes up to %d)",
                     time.perf_counter() - t0, used / GiB, len(sizes), top)
+
+    def _free_memory(self, graphs: bool) -> int:
+        """Free device bytes once the work queued so far has run (0 where nothing is captured): read before
+        and after a capture, the memory its graphs took."""
+        if not graphs:
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.mem_get_info(self.device)[0]
 
     def _graphed(self, run: Callable[[], torch.Tensor], graphs: bool) -> tuple[Callable[[], None], torch.Tensor]:
         """(replay, output) of ``run``: run once (compiling its kernels outside any capture), then captured in
@@ -338,7 +344,7 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         rows, top, dev = self.config.max_num_seqs, sizes[-1], self.device
-        free0 = torch.cuda.mem_get_info(dev)[0] if graphs else 0
+        free0 = self._free_memory(graphs)
         self._prompt_inputs = torch.zeros(GraphInputs.nbytes(self._prompt_fields(rows, top)), dtype=torch.uint8,
                                           device=dev)
         self._prompt_tables = torch.zeros((rows + 1, self.config.blocks_per_max_len_request), dtype=torch.int32,
@@ -353,9 +359,7 @@ class ModelRunner:
                 return self.model(inputs["ids"], inputs["positions"], self.kv_caches, meta)
 
             self._prompt_graphs[size] = (*self._graphed(run, graphs), inputs, meta)
-        if graphs:
-            torch.cuda.synchronize(dev)
-        used = free0 - torch.cuda.mem_get_info(dev)[0] if graphs else 0
+        used = free0 - self._free_memory(graphs)
         logger.info("Captured %d graphs for steps with prompt tokens (up to %d tokens) in %.1f secs, took %.2f GiB",
                     len(sizes), top, time.perf_counter() - t0, used / GiB)
 
