@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from pagedserve.args import positive_int
 from pagedserve.bench.launch import check_serve_flags, serve_flags
 from pagedserve.errors import ConfigError, reported
 
@@ -20,15 +21,9 @@ def on_off(value: str) -> list[bool]:
     return [w == "on" for w in words]
 
 
-def positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive integer")
-    return int(value)
-
-
 def positives(value: str) -> list[int]:
     """A comma-separated list of positive integers."""
-    return [positive(v) for v in value.split(",")]
+    return [positive_int(v) for v in value.split(",")]
 
 
 def server_flags(parser: argparse.ArgumentParser, model: str, value: str) -> list[str]:

@@ -60,6 +60,13 @@ def engine_flags(args: EngineArgs) -> list[str]:
     return flags
 
 
+def positive_int(value: str) -> int:
+    """An argparse type for a count: a whole number of at least 1 (argparse names the flag when it is not)."""
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a whole number of at least 1")
+    return int(value)
+
+
 def output_dir(path: str | Path, flag: str, given: str | None = None) -> Path:
     """A folder a command writes into when its work is done, created before the work starts: one that cannot
     be fails now, naming ``flag`` (and ``given``, what the user gave it), not after minutes of work."""

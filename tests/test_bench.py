@@ -374,7 +374,7 @@ def test_latency_on_off_settings_refuse_anything_else():
 def test_overlap_benchmark_sizes_refuse_anything_but_positive_integers():
     assert positives("256,512,1024") == [256, 512, 1024] and positives("7") == [7]
     for bad in ("0", "256,", "-1", "x", "1.5"):
-        with pytest.raises(argparse.ArgumentTypeError, match="expected a positive integer"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a whole number of at least 1"):
             positives(bad)
 
 

@@ -17,15 +17,16 @@ import time
 
 import numpy as np
 
-from benchmarks.args import positive, run_main
+from benchmarks.args import run_main
+from pagedserve.args import positive_int
 from pagedserve import LLM, SamplingParams
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=positive, default=1000)
-    ap.add_argument("--length", type=positive, default=1000, help="prompt and output tokens of each request")
-    ap.add_argument("--young-threshold", type=positive)
+    ap.add_argument("--requests", type=positive_int, default=1000)
+    ap.add_argument("--length", type=positive_int, default=1000, help="prompt and output tokens of each request")
+    ap.add_argument("--young-threshold", type=positive_int)
     ns = ap.parse_args()
     llm = LLM("tiny", max_model_len=2 * ns.length + 16, max_num_seqs=384, max_num_batched_tokens=16384,
               num_gpu_blocks_override=49000)

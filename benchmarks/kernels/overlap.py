@@ -29,7 +29,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from benchmarks.args import positive, positives, run_main
+from benchmarks.args import positives, run_main
+from pagedserve.args import positive_int
 from benchmarks.kernels.harness import captured, graph_ms
 from pagedserve.config import EngineArgs
 from pagedserve.model.attention import AttentionMetadata
@@ -137,11 +138,11 @@ def time_arms(step: MixedStep, reps: int = 20) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="Qwen/Qwen3-8B")
-    p.add_argument("--decodes", type=positive, default=332)
-    p.add_argument("--context", type=positive, default=1024, help="decode contexts are drawn from [this, twice this)")
+    p.add_argument("--decodes", type=positive_int, default=332)
+    p.add_argument("--context", type=positive_int, default=1024, help="decode contexts are drawn from [this, twice this)")
     p.add_argument("--prompt-tokens", type=positives, default=[256, 512, 1024], help="comma-separated prompt tokens a step")
     p.add_argument("--kv-cache-dtype", default="auto,fp8", help="comma-separated")
-    p.add_argument("--layers", type=positive, default=4, help="layers run (each its own weights and cache)")
+    p.add_argument("--layers", type=positive_int, default=4, help="layers run (each its own weights and cache)")
     ns = p.parse_args()
     print(f"{torch.cuda.get_device_name()}; {ns.model}, first {ns.layers} layers; {ns.decodes} decodes at contexts "
           f"{ns.context}..{2 * ns.context - 1}; times scaled to every layer")

@@ -9,16 +9,10 @@ import math
 import sys
 from pathlib import Path
 
+from pagedserve.args import positive_int
 from pagedserve.errors import ConfigError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the APIs bench serve and sweep drive
-
-
-def _count(value: str) -> int:
-    """A number of prompts: a whole number of at least 1 (argparse names the flag when it is not)."""
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: must be a whole number of at least 1")
-    return int(value)
 
 
 def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: bool = True,
@@ -33,7 +27,7 @@ def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: boo
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON, custom JSONL ({\"prompt\", \"output_len\"}), "
                                                         "or a --record-lengths file.")
     if num_prompts:
-        d.add_argument("--num-prompts", type=_count, default=1000)
+        d.add_argument("--num-prompts", type=positive_int, default=1000)
     d.add_argument("--random-input-len", *(("--input-len",) if short_lens else ()), type=int, default=1024)
     d.add_argument("--random-output-len", *(("--output-len",) if short_lens else ()), type=int, default=128)
     d.add_argument("--random-range-ratio", type=float, default=0.0,
