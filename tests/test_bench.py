@@ -409,6 +409,11 @@ def test_a_benchmark_refused_by_the_engine_ends_with_its_message_not_a_traceback
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("paced_online.py: error: --simulate h200-qwen3-8b-bf16 was measured")
     assert "h200-qwen3-8b-fp8" in err and "Traceback" not in err
+    monkeypatch.setattr("sys.argv", ["paced_online.py", "--serve-args", "--max-num-seqz 4"])  # checked once, there
+    with pytest.raises(SystemExit) as e:
+        run_main(importlib.import_module("benchmarks.serving.paced_online").main)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "paced_online.py: error:" in err and "--max-num-seqz 4" in err
 
     def server_gone() -> None:
         raise BenchmarkError("the server went away")

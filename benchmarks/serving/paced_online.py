@@ -15,9 +15,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from benchmarks.args import run_main, server_flags
+from benchmarks.args import run_main
 from benchmarks.engine.online_serve import BENCH_FLAGS, PERCENTILE_FLAGS, SERVER_FLAGS, report
-from pagedserve.bench.launch import bench_serve
+from pagedserve.bench.launch import bench_serve, serve_flags
 from pagedserve.sim.calibrate import paced_server
 from pagedserve.sim.ladder import Simulation
 
@@ -31,7 +31,8 @@ def main() -> None:
     ns = ap.parse_args()
     sim = Simulation.load(ns.simulate)
     model = sim.calibration.model
-    config, budget = sim.engine(model, ["--load-format", "dummy", *server_flags(ap, model, ns.serve_args)])
+    # the engine checks the flags as `pagedserve serve` would, and against the calibration
+    config, budget = sim.engine(model, ["--load-format", "dummy", *serve_flags(ns.serve_args)])
     with paced_server(config, budget, sim.calibration.cost, "--log-level", "warning") as (url, _), \
             tempfile.TemporaryDirectory() as tmp:
         result = bench_serve(url, [*ns.bench_flags.split(), *PERCENTILE_FLAGS], Path(tmp) / "run.json")
