@@ -488,6 +488,28 @@ def test_the_shipped_8b_calibrations_replay_the_ladders_measured_on_their_gpus(t
             assert rs[key] == pytest.approx(rm[key], rel=bound), (rm["load"], key)
 
 
+def test_a_server_replaying_prompt_graphs_the_calibration_never_timed_is_told_once(caplog):
+    """The H200's files timed prompt steps of 1,024 tokens and more launched kernel by kernel; a server at the default
+    capture size replays those as graphs, priced on the fitted line: said once per simulation, not for a server that
+    captures below them, nor on the H100's files, which timed graphs up to 4,096 tokens."""
+    from pagedserve.sim.ladder import Simulation
+
+    flags = ["--load-format", "dummy", "--max-model-len", "8192", "--max-num-seqs", "16",
+             "--max-num-batched-tokens", "4096"]
+
+    def warnings(name: str, extra: list[str]) -> list[str]:
+        caplog.clear()
+        sim = Simulation.load(name)
+        for _ in range(2):
+            sim.engine("Qwen/Qwen3-8B", flags + extra)
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    (told,) = warnings("h200-qwen3-8b-bf16", [])
+    assert "prompt steps of 1,024 tokens and more launched kernel by kernel" in told and "up to 4,096 tokens" in told
+    assert warnings("h200-qwen3-8b-bf16", ["--max-cudagraph-capture-size", "512"]) == []
+    assert warnings("h100-qwen3-8b-bf16", []) == []
+
+
 @pytest.mark.parametrize("ladder, extra", [("qwen3-0.6b", ""), ("qwen3-0.6b-preempt", " --kv-cache-memory 1GiB")])
 def test_the_shipped_h100_0_6b_calibration_replays_its_host_bound_ladders(tmp_path, ladder, extra):
     """Qwen3-0.6B's steps are not several times the host's work, so its launch runs in series with them: on

@@ -341,6 +341,13 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2))
 
+    def first_launched_prompt_step(self) -> int | None:
+        """The fewest tokens of a prompt-carrying step this calibration timed launched kernel by kernel, where
+        it timed smaller ones as graph replays (its engine's capture size lies between); None without both."""
+        graphs = any(s["kind"] in GRAPHED and s["prefill_work"] for s in self.samples)
+        launched = [s["tokens"] for s in self.samples if s["kind"] not in GRAPHED and s["prefill_work"]]
+        return min(launched) if graphs and launched else None
+
     def describe(self) -> str:
         c = self.cost
         return (f"{self.model} ({self.dtype}, KV {self.kv_cache_dtype}) on {self.gpu}, measured {self.date}"

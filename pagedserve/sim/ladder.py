@@ -27,6 +27,7 @@ class Simulation:
     source: str            # the file or shipped name it came from
     gpu: str = ""          # the simulated GPU, as shown to the operator
     scaled: str = ""       # how the step costs were carried over to another GPU ("" when measured on it)
+    _graphs_told: bool = dataclasses.field(default=False, repr=False)  # the capture-size warning, once
 
     @classmethod
     def load(cls, name_or_path: str, gpu_memory_gib: float | None = None, gpu: str | None = None) -> "Simulation":
@@ -86,7 +87,23 @@ class Simulation:
         plan = make_plan(args, gpu_memory_gib=self.gpu_memory_bytes / GiB)
         if plan.failures:
             raise ConfigError(f"The simulated server would not start: {plan.failures[0]}")
+        self._tell_graphs(config)
         return config, plan.budget
+
+    def _tell_graphs(self, config) -> None:
+        """Warn where this server replays prompt steps as graphs that the calibration timed launched kernel by
+        kernel: the simulator then prices them on its fitted line, with no measurement of such a replay."""
+        from pagedserve.model.runner import graph_sizes
+
+        launched, prompt_graphs = self.calibration.first_launched_prompt_step(), graph_sizes(config)[1]
+        if self._graphs_told or launched is None or not prompt_graphs or prompt_graphs[-1] < launched:
+            return
+        self._graphs_told = True
+        logger.warning("%s timed prompt steps of %s tokens and more launched kernel by kernel (its engine captured "
+                       "smaller graphs); this server replays them as CUDA graphs up to %s tokens, which are priced "
+                       "on the fitted line, not measured. `pagedserve calibrate %s` with this server's "
+                       "--max-cudagraph-capture-size times them.", self.source, f"{launched:,}",
+                       f"{prompt_graphs[-1]:,}", self.calibration.model)
 
     def ladder(self, model: str, flags: list[str], plan, draw: Callable[[int, int], list[SampleRequest]],
                seed: int, burstiness: float, goodput: dict[str, float],
