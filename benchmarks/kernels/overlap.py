@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from benchmarks.args import positives, run_main
-from pagedserve.args import positive_int
 from benchmarks.kernels.harness import captured, graph_ms
+from pagedserve.args import positive_int
 from pagedserve.config import EngineArgs
 from pagedserve.model.attention import AttentionMetadata
 from pagedserve.model.loader import build_model
@@ -139,7 +139,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="Qwen/Qwen3-8B")
     p.add_argument("--decodes", type=positive_int, default=332)
-    p.add_argument("--context", type=positive_int, default=1024, help="decode contexts are drawn from [this, twice this)")
+    p.add_argument("--context", type=positive_int, default=1024,
+                   help="decode contexts are drawn from [this, twice this)")
     p.add_argument("--prompt-tokens", type=positives, default=[256, 512, 1024], help="comma-separated prompt tokens a step")
     p.add_argument("--kv-cache-dtype", default="auto,fp8", help="comma-separated")
     p.add_argument("--layers", type=positive_int, default=4, help="layers run (each its own weights and cache)")
