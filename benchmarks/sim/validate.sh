@@ -46,8 +46,8 @@ stored() {  # MEASURED_GPU CALIBRATION_GPU [SWEEP FLAGS]: the three kept ladders
   d=$(latest $1 qwen3-0.6b)
   simulated "$1-qwen3-0.6b" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC $(graphs_then $d)" $d "${3:-}"
   d=$(latest $1 qwen3-0.6b-preempt)
-  simulated "$1-qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC $(graphs_then $d) --kv-cache-memory 1GiB" \
-    $d "${3:-}"
+  simulated "$1-qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" \
+    "$DOC $(graphs_then $d) --kv-cache-memory 1GiB" $d "${3:-}"
 }
 
 ladders() {  # NAME MODEL CALIBRATION SERVE_FLAGS: measure, then as simulated()
