@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import typing
@@ -61,10 +62,29 @@ def engine_flags(args: EngineArgs) -> list[str]:
 
 
 def positive_int(value: str) -> int:
-    """An argparse type for a count: a whole number of at least 1 (argparse names the flag when it is not)."""
+    """An argparse type for a count: a whole number of at least 1 (argparse names the flag when it is not), so a
+    bad one stops the command before a model loads."""
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"{value!r}: must be a whole number of at least 1")
     return int(value)
+
+
+def non_negative_int(value: str) -> int:
+    """As ``positive_int``, for counts that may be 0."""
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a whole number of at least 0")
+    return int(value)
+
+
+def positive_float(value: str) -> float:
+    """As ``positive_int``, for a size such as GiB: a finite number above 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a number above 0")
+    return number
 
 
 def output_dir(path: str | Path, flag: str, given: str | None = None) -> Path:

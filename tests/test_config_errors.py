@@ -120,15 +120,42 @@ def test_a_result_folder_that_cannot_be_made_fails_before_the_work(tmp_path, cap
         assert f"--result-dir {blocker / 'out'}" in err and "cannot be created" in err and "Traceback" not in err
 
 
-def test_a_prompt_count_below_one_is_refused_before_any_work(capsys):
-    """bench serve and bench throughput take --num-prompts as argparse's type: 0, a negative or a fraction stops
-    the command naming the flag, before a model loads or a server is asked."""
-    for command in (["bench", "throughput", "--model", "tiny"], ["bench", "serve", "--base-url", "http://127.0.0.1:9"]):
+def test_a_count_below_one_is_refused_before_any_work(capsys):
+    """The benchmarks take their counts and lengths as argparse types: 0, a negative or a fraction stops the command
+    naming the flag, before a model loads or a server is asked (a prefix or a warm-up may be 0, not negative)."""
+    serve = ["bench", "serve", "--base-url", "http://127.0.0.1:9"]
+    throughput = ["bench", "throughput", "--model", "tiny"]
+    latency = ["bench", "latency", "--model", "tiny"]
+    lengths = ("--num-prompts", "--random-input-len", "--random-output-len")
+    cases = [(c, f) for c in (serve, throughput) for f in lengths]
+    cases += [(throughput, "--input-len"), (serve, "--custom-output-len"), (serve, "--sharegpt-output-len")]
+    cases += [(latency, f) for f in ("--input-len", "--output-len", "--batch-size", "--num-iters")]
+    for command, flag in cases:
         for bad in ("0", "-1", "1.5"):
             with pytest.raises(SystemExit) as e:
-                main([*command, "--num-prompts", bad])
+                main([*command, flag, bad])
             err = capsys.readouterr().err
-            assert e.value.code == 2 and f"argument --num-prompts: '{bad}': must be a whole number of at least 1" in err
+            assert e.value.code == 2 and f"'{bad}': must be a whole number of at least 1" in err and flag in err
+    for command, flag in ((serve, "--random-prefix-len"), (latency, "--num-iters-warmup")):
+        with pytest.raises(SystemExit) as e:
+            main([*command, flag, "-1"])
+        assert e.value.code == 2 and f"argument {flag}: '-1': must be a whole number of at least 0" in \
+            capsys.readouterr().err
+
+
+def test_plan_and_the_simulator_refuse_a_length_or_gpu_size_that_means_nothing(capsys):
+    """plan's typical lengths and the --gpu-memory of plan and of a simulated sweep are argparse types: a negative
+    length no longer divides by zero, and 0 GiB is refused instead of meaning "no size given"."""
+    plan = ["plan", "Qwen/Qwen3-8B", "--gpu", "H100-80GB"]
+    sweep = ["bench", "sweep", "--model", "tiny", "--simulate", "h200-qwen3-0.6b-bf16"]
+    whole = "a whole number of at least 1"
+    cases = [(plan, "--input-len", "-5", whole), (plan, "--output-len", "0", whole)]
+    cases += [(c, "--gpu-memory", bad, "a number above 0") for c in (plan, sweep) for bad in ("0", "-5", "nan", "x")]
+    for command, flag, bad, rule in cases:
+        with pytest.raises(SystemExit) as e:
+            main([*command, flag, bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}: '{bad}': must be {rule}" in err and "Traceback" not in err
 
 
 def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(capsys):

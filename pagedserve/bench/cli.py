@@ -9,7 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from pagedserve.args import positive_int
+from pagedserve.args import non_negative_int, positive_float, positive_int
 from pagedserve.errors import ConfigError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the APIs bench serve and sweep drive
@@ -28,13 +28,14 @@ def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: boo
                                                         "or a --record-lengths file.")
     if num_prompts:
         d.add_argument("--num-prompts", type=positive_int, default=1000)
-    d.add_argument("--random-input-len", *(("--input-len",) if short_lens else ()), type=int, default=1024)
-    d.add_argument("--random-output-len", *(("--output-len",) if short_lens else ()), type=int, default=128)
+    d.add_argument("--random-input-len", *(("--input-len",) if short_lens else ()), type=positive_int, default=1024)
+    d.add_argument("--random-output-len", *(("--output-len",) if short_lens else ()), type=positive_int,
+                   default=128)
     d.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="Lengths uniform in [L(1-r), L(1+r)].")
-    d.add_argument("--random-prefix-len", type=int, default=0, help="A shared prefix of this many tokens.")
-    d.add_argument("--sharegpt-output-len", type=int, default=None)
-    d.add_argument("--custom-output-len", type=int, default=256)
+    d.add_argument("--random-prefix-len", type=non_negative_int, default=0, help="A shared prefix of this many tokens.")
+    d.add_argument("--sharegpt-output-len", type=positive_int, default=None)
+    d.add_argument("--custom-output-len", type=positive_int, default=256)
     if client:
         d.add_argument("--seed", type=int, default=0)
         d.add_argument("--tokenizer", default=None,
@@ -253,7 +254,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", choices=list(GPU_PRESETS), default=None,
                    help="Simulate this GPU: its memory, and the calibration's step times scaled by the ratios of "
                         "its spec-sheet compute and bandwidth peaks to the calibration GPU's (an estimate).")
-    g.add_argument("--gpu-memory", type=float, default=None,
+    g.add_argument("--gpu-memory", type=positive_float, default=None,
                    help="GiB of the simulated GPU (overrides --gpu; default: the calibration GPU's).")
 
 
@@ -320,11 +321,11 @@ def add_bench_parser(sub) -> None:
     lat = bsub.add_parser("latency", help="End-to-end latency of one batch, in-process (TTFT and ITL too).")
     add_engine_args(lat, positional_model=False)
     g = lat.add_argument_group("latency")
-    g.add_argument("--input-len", type=int, default=32)
-    g.add_argument("--output-len", type=int, default=128)
-    g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--num-iters-warmup", type=int, default=10)
-    g.add_argument("--num-iters", type=int, default=30)
+    g.add_argument("--input-len", type=positive_int, default=32)
+    g.add_argument("--output-len", type=positive_int, default=128)
+    g.add_argument("--batch-size", type=positive_int, default=8)
+    g.add_argument("--num-iters-warmup", type=non_negative_int, default=10)
+    g.add_argument("--num-iters", type=positive_int, default=30)
     g.add_argument("--output-json", default=None)
     lat.set_defaults(func=cmd_bench_latency)
 

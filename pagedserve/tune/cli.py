@@ -130,16 +130,18 @@ def cmd_tune(ns: argparse.Namespace) -> None:
 
 
 def add_tune_parsers(sub) -> None:
-    from pagedserve.args import add_engine_args
+    from pagedserve.args import add_engine_args, positive_float, positive_int
     from pagedserve.tune.plan import GPU_PRESETS
 
     p = sub.add_parser("plan", help="The memory budget of a configuration, without a GPU.")
     add_engine_args(p)
     g = p.add_argument_group("plan")
     g.add_argument("--gpu", choices=list(GPU_PRESETS), default=None, help="A GPU preset (its total memory).")
-    g.add_argument("--gpu-memory", type=float, default=None, help="Total GPU memory in GiB (overrides --gpu).")
-    g.add_argument("--input-len", type=int, default=None, help="Typical prompt tokens (concurrency at this length).")
-    g.add_argument("--output-len", type=int, default=None, help="Typical output tokens.")
+    g.add_argument("--gpu-memory", type=positive_float, default=None,
+                   help="Total GPU memory in GiB (overrides --gpu).")
+    g.add_argument("--input-len", type=positive_int, default=None,
+                   help="Typical prompt tokens (concurrency at this length).")
+    g.add_argument("--output-len", type=positive_int, default=None, help="Typical output tokens.")
     g.add_argument("--lengths-from", default=None, metavar="FILE",
                    help="A `serve --record-lengths` file: the concurrency at its requests' p50, p95 and largest "
                         "context, and the --max-num-seqs warning judged at its p95.")

@@ -112,9 +112,9 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
 
     if gpu is not None and gpu not in GPU_PRESETS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PRESETS)} or give --gpu-memory GiB.")
-    total = int(gpu_memory_gib * GiB) if gpu_memory_gib else GPU_PRESETS.get(gpu) if gpu else None
-    if total is not None and total <= 0:
-        raise ConfigError("--gpu-memory must be positive.")
+    if gpu_memory_gib is not None and not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+        raise ConfigError(f"--gpu-memory {gpu_memory_gib}: give the GPU's memory in GiB, a number above 0.")
+    total = int(gpu_memory_gib * GiB) if gpu_memory_gib is not None else GPU_PRESETS.get(gpu) if gpu else None
     on_gpu = total is not None
     if not on_gpu and args.kv_cache_memory is None and args.num_gpu_blocks_override is None:
         raise ConfigError("Give --gpu (a preset) or --gpu-memory GiB, or --kv-cache-memory for a CPU plan.")
