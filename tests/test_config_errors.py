@@ -158,6 +158,17 @@ def test_plan_and_the_simulator_refuse_a_length_or_gpu_size_that_means_nothing(c
         assert e.value.code == 2 and f"argument {flag}: '{bad}': must be {rule}" in err and "Traceback" not in err
 
 
+def test_bench_serve_refuses_a_rate_or_burstiness_that_is_not_a_number_above_zero(capsys):
+    """nan passes a `<= 0` check; refused before any request is sent, as 0 and a negative are (inf is a rate:
+    every request at once, not a burstiness)."""
+    for flag, bad in (("--request-rate", "nan"), ("--request-rate", "0"), ("--burstiness", "nan"),
+                      ("--burstiness", "inf"), ("--burstiness", "-1")):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "tiny", flag, bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--request-rate must be above 0" in err and "Warm-up" not in err
+
+
 def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(capsys):
     import socket
 

@@ -58,8 +58,9 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
 
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ConfigError("--max-concurrency must be at least 1.")
-    if ns.request_rate <= 0 or ns.burstiness <= 0:
-        raise ConfigError("--request-rate and --burstiness must be positive.")
+    if not ns.request_rate > 0 or not 0 < ns.burstiness < math.inf:  # nan fails both
+        raise ConfigError("--request-rate must be above 0 (inf: all at once) and --burstiness a finite number "
+                          "above 0.")
     pct_metrics = [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()]
     bad = [m for m in pct_metrics if m not in METRIC_KEYS]
     if bad:
