@@ -412,6 +412,9 @@ def test_sweep_command_line_errors(tmp_path, capsys):
     assert "--port" in err("--model", "tiny", "--serve-args", "--port 9000")
     assert "--concurrency" in err("--model", "tiny", "--concurrency", "1,x")
     assert "not a valid `pagedserve serve` command line" in err("--model", "tiny", "--serve-args", "--max-num-sequences 4")
+    assert "--grid max_num_seqs=x: `pagedserve serve tiny --max-num-seqs x` is not a valid" in \
+        err("--model", "tiny", "--grid", "max_num_seqs=4,x")
+    assert "--grid nope=1: `pagedserve serve tiny --nope 1`" in err("--model", "tiny", "--grid", "nope=1,2")
 
 
 def test_a_rung_served_from_the_prefix_cache_says_so():

@@ -135,8 +135,14 @@ def cmd_bench_sweep(ns: argparse.Namespace) -> None:
         run_sweep(ns, plan, result_dir(ns.result_dir), base_url=base)
         return
     runs = [(f"{grid[0]}={v}", v, with_flag(flags, grid[0], v)) for v in grid[1]] if grid else [("server", None, flags)]
-    for _, _, server_flags in runs:
-        check_serve_flags(ns.model, server_flags)
+    for label, _, server_flags in runs:
+        try:
+            check_serve_flags(ns.model, server_flags)
+        except ConfigError as e:  # name the grid's value, which the flags alone do not show came from it
+            if not grid:
+                raise
+            raise ConfigError(f"--grid {label}: `pagedserve serve {ns.model} {' '.join(server_flags)}` is not a "
+                              f"valid command line (see the message above).") from e
     simulate = None
     if ns.simulate:
         from pagedserve.sim.ladder import Simulation
