@@ -54,8 +54,8 @@ GRAPHED = ("single", "graph")  # step kinds replayed as CUDA graphs: the host pr
 # request, and the launch) is at most this share of one sequence's decode on the device. In a server the
 # host's parts cost more together than timed apart (the engine's thread and the event loop take turns on
 # the interpreter's lock), so a model whose steps are not several times the host's is host-bound, and
-# its launch runs in series with the step. (Measured on an H200 and an H100: 0.06-0.13 for Qwen3-8B, whose
-# ladders the hidden launch prices, and 0.26-0.58 for Qwen3-0.6B, whose ladders it prices 4-11 % fast.)
+# its launch runs in series with the step. (Measured on an H200 and an H100: 0.06-0.13 for Qwen3-8B, and
+# 0.26-0.58 for Qwen3-0.6B, whose ladders a hidden launch prices fast.)
 LAUNCH_HIDES = 1 / 5
 
 
