@@ -36,18 +36,21 @@ latest() {  # GPU LADDER: the kept measurement of that ladder on that GPU with t
 graphs_then() {  # KEPT_LADDER_DIR: the capture flag its tree ran with (its folder is GPU-COMMIT)
   # trees before 6c87e54 stopped every model's prompt graphs at 512 tokens; the default is 4096 since
   local commit=$(basename "$(dirname "$1")"); commit=${commit#*-}
-  git merge-base --is-ancestor 6c87e54 "$commit" 2>/dev/null || echo "--max-cudagraph-capture-size 512"
+  if ! git cat-file -e "$commit^{commit}" 2>/dev/null; then
+    echo "validate.sh: the stored stages need the git history to place $commit" >&2
+    exit 2
+  fi
+  git merge-base --is-ancestor 6c87e54 "$commit" || echo "--max-cudagraph-capture-size 512"
 }
 
 stored() {  # MEASURED_GPU CALIBRATION_GPU [SWEEP FLAGS]: the three kept ladders of one GPU, simulated
-  local d
-  d=$(latest $1 qwen3-8b)
-  simulated "$1-qwen3-8b" Qwen/Qwen3-8B "$2-qwen3-8b-bf16" "$DOC $(graphs_then $d)" $d "${3:-}"
-  d=$(latest $1 qwen3-0.6b)
-  simulated "$1-qwen3-0.6b" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC $(graphs_then $d)" $d "${3:-}"
-  d=$(latest $1 qwen3-0.6b-preempt)
-  simulated "$1-qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" \
-    "$DOC $(graphs_then $d) --kv-cache-memory 1GiB" $d "${3:-}"
+  local d g
+  d=$(latest $1 qwen3-8b); g=$(graphs_then $d)
+  simulated "$1-qwen3-8b" Qwen/Qwen3-8B "$2-qwen3-8b-bf16" "$DOC $g" $d "${3:-}"
+  d=$(latest $1 qwen3-0.6b); g=$(graphs_then $d)
+  simulated "$1-qwen3-0.6b" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC $g" $d "${3:-}"
+  d=$(latest $1 qwen3-0.6b-preempt); g=$(graphs_then $d)
+  simulated "$1-qwen3-0.6b-preempt" Qwen/Qwen3-0.6B "$2-qwen3-0.6b-bf16" "$DOC $g --kv-cache-memory 1GiB" $d "${3:-}"
 }
 
 ladders() {  # NAME MODEL CALIBRATION SERVE_FLAGS: measure, then as simulated()
