@@ -27,7 +27,7 @@ class Simulation:
     source: str            # the file or shipped name it came from
     gpu: str = ""          # the simulated GPU, as shown to the operator
     scaled: str = ""       # how the step costs were carried over to another GPU ("" when measured on it)
-    _graphs_told: bool = dataclasses.field(default=False, repr=False)  # the capture-size warning, once
+    unmeasured: str = ""   # the server's steps that the calibration did not time as it runs them ("" when none)
 
     @classmethod
     def load(cls, name_or_path: str, gpu_memory_gib: float | None = None, gpu: str | None = None) -> "Simulation":
@@ -60,8 +60,9 @@ class Simulation:
         return cls(estimated, total, name_or_path, f"{gpu} (estimated)", scaled)
 
     def describe(self) -> str:
+        caveats = "".join(f"; {c}" for c in (self.scaled, self.unmeasured) if c)
         return (f"simulated from {self.source}: {self.calibration.describe()}; GPU memory "
-                f"{self.gpu_memory_bytes / GiB:.2f} GiB{f'; {self.scaled}' if self.scaled else ''}")
+                f"{self.gpu_memory_bytes / GiB:.2f} GiB{caveats}")
 
     def engine(self, model: str, flags: list[str]):
         """(config, memory budget) of ``pagedserve serve MODEL FLAGS`` on the simulated GPU, as the planner
@@ -91,19 +92,19 @@ class Simulation:
         return config, plan.budget
 
     def _tell_graphs(self, config) -> None:
-        """Warn where this server replays prompt steps as graphs that the calibration timed launched kernel by
-        kernel: the simulator then prices them on its fitted line, with no measurement of such a replay."""
+        """Warn, and say in the artefacts (``describe``), where this server replays prompt steps as graphs that the
+        calibration timed launched kernel by kernel: they are priced on its fitted line, no such replay measured."""
         from pagedserve.model.runner import graph_sizes
 
         launched, prompt_graphs = self.calibration.first_launched_prompt_step(), graph_sizes(config)[1]
-        if self._graphs_told or launched is None or not prompt_graphs or prompt_graphs[-1] < launched:
+        if self.unmeasured or launched is None or not prompt_graphs or prompt_graphs[-1] < launched:
             return
-        self._graphs_told = True
-        logger.warning("%s timed prompt steps of %s tokens and more launched kernel by kernel (its engine captured "
-                       "smaller graphs); this server replays them as CUDA graphs up to %s tokens, which are priced "
-                       "on the fitted line, not measured. `pagedserve calibrate %s` with this server's "
-                       "--max-cudagraph-capture-size times them.", self.source, f"{launched:,}",
-                       f"{prompt_graphs[-1]:,}", self.calibration.model)
+        self.unmeasured = (f"{self.source} timed prompt steps of {launched:,} tokens and more launched kernel by "
+                           f"kernel (its engine captured smaller graphs); this server replays them as CUDA graphs up "
+                           f"to {prompt_graphs[-1]:,} tokens, which are priced on the fitted line, not measured. "
+                           f"`pagedserve calibrate {self.calibration.model}` with this server's "
+                           f"--max-cudagraph-capture-size times them")
+        logger.warning("%s.", self.unmeasured)
 
     def ladder(self, model: str, flags: list[str], plan, draw: Callable[[int, int], list[SampleRequest]],
                seed: int, burstiness: float, goodput: dict[str, float],
