@@ -128,7 +128,8 @@ def test_a_count_below_one_is_refused_before_any_work(capsys):
     latency = ["bench", "latency", "--model", "tiny"]
     lengths = ("--num-prompts", "--random-input-len", "--random-output-len")
     cases = [(c, f) for c in (serve, throughput) for f in lengths]
-    cases += [(throughput, "--input-len"), (serve, "--custom-output-len"), (serve, "--sharegpt-output-len")]
+    cases += [(throughput, "--input-len"), (serve, "--custom-output-len"), (serve, "--sharegpt-output-len"),
+              (serve, "--max-concurrency")]
     cases += [(latency, f) for f in ("--input-len", "--output-len", "--batch-size", "--num-iters")]
     for command, flag in cases:
         for bad in ("0", "-1", "1.5"):

@@ -56,8 +56,6 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     from pagedserve.bench.metrics import METRIC_KEYS, parse_goodput
     from pagedserve.bench.serve import BenchConfig, format_table, run_benchmark, served_model
 
-    if ns.max_concurrency is not None and ns.max_concurrency < 1:
-        raise ConfigError("--max-concurrency must be at least 1.")
     if not ns.request_rate > 0 or not 0 < ns.burstiness < math.inf:  # nan fails both
         raise ConfigError("--request-rate must be above 0 (inf: all at once) and --burstiness a finite number "
                           "above 0.")
@@ -288,7 +286,7 @@ def add_bench_parser(sub) -> None:
                         "recorded times (offsets from the first), instead of at --request-rate.")
     s.add_argument("--replay-speed", type=float, default=1.0,
                    help="With --replay-arrivals: how much faster than recorded (2: the gaps halved).")
-    s.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight from this client.")
+    s.add_argument("--max-concurrency", type=positive_int, default=None, help="Most requests in flight from this client.")
     s.add_argument("--ignore-eos", action="store_true", help="Always on for the random dataset.")
     s.add_argument("--num-warmups", type=int, default=1,
                    help="Unmeasured requests before the run (the first prompt with its halves swapped, so "
