@@ -322,7 +322,7 @@ class EngineArgs:
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (model dtype), bfloat16, float16, float32, fp8 (=fp8_e4m3), fp8_e5m2.")
     device: str = _arg("auto", "auto, cuda or cpu.")
     enforce_eager: bool = _arg(False, "Never capture CUDA graphs.")
-    max_cudagraph_capture_size: int | None = _arg(None, "Largest step with prompt tokens (prompt chunks, with or without decodes) replayed as a CUDA graph; larger ones are launched kernel by kernel, which holds the step to the host's launch time. Up to --max-num-batched-tokens; each graph pads its steps by at most a quarter. Decode-only steps have graphs up to --max-num-seqs whatever this is. Default: 4096 (vLLM's is 512): a larger prompt step launched kernel by kernel waits on the host's launch, for models up to 8B at least.", size=True)
+    max_cudagraph_capture_size: int | None = _arg(None, "Largest step with prompt tokens (prompt chunks, with or without decodes) replayed as a CUDA graph; larger ones are launched kernel by kernel, which holds the step to the host's launch time. Up to --max-num-batched-tokens; each graph over 256 tokens pads its steps by at most an eighth. Decode-only steps have graphs up to --max-num-seqs whatever this is. Default: 4096 (vLLM's is 512): a larger prompt step launched kernel by kernel waits on the host's launch, for models up to 8B at least.", size=True)
     tensor_parallel_size: int = _arg(1, "Number of GPUs to shard the model over.")
     attention_backend: str = _arg("auto", "Attention implementation: auto (triton on CUDA, torch elsewhere), triton, or torch (the reference).")
     trust_remote_code: bool = _arg(False, "Accepted for vLLM compatibility, and refused: pagedserve never runs code from a model folder.")

@@ -63,9 +63,9 @@ def decode_graph_sizes(max_num_seqs: int) -> list[int]:
 
 # Token counts of the steps with prompt tokens that replay a CUDA graph (padded up to the next size):
 # launched kernel by kernel, such a step takes the host longer than the GPU up to a few hundred tokens
-# (a small model's, up to thousands). Steps over 256 tokens are padded by at most a quarter of their
-# tokens; below, padding is cheap (a step's projections cost the weights' read up to ~100 tokens).
-PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+# (a small model's, up to thousands). Below 256 tokens padding is cheap (a step's projections cost the
+# weights' read up to ~100 tokens); from 256 on, a padded token costs about what a real one does.
+PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
 def graphs_captured(config) -> bool:
@@ -85,12 +85,14 @@ def graph_sizes(config) -> tuple[list[int], list[int]]:
 
 def prompt_graph_sizes(top: int) -> list[int]:
     """Token counts of the prompt-carrying steps that get a CUDA graph (the planner counts them too): the
-    sizes above up to ``top`` (the config's capture size, never above the step's token budget), then a
-    quarter of the power of two below each further size (640, 768, 896, 1024, 1280, ...), ending at ``top``."""
+    sizes above up to ``top`` (the config's capture size, never above the step's token budget), then an
+    eighth of the power of two below each further size (288, 320, ..., 512, 576, ..., 1024, 1152, ...),
+    ending at ``top``: a step over 256 tokens is padded by at most an eighth (a prompt chunk of 1,024 tokens
+    beside a few decodes, by at most 12 %)."""
     sizes = [t for t in PROMPT_GRAPH_SIZES if t <= top]
     t = PROMPT_GRAPH_SIZES[-1]
     while t < top:
-        t = min(top, t + (1 << (t.bit_length() - 1)) // 4)
+        t = min(top, t + (1 << (t.bit_length() - 1)) // 8)
         sizes.append(t)
     return sizes
 
