@@ -41,10 +41,12 @@ def test_qwen3_8b_on_h200_by_hand():
     pool = 4096 * (2 * 4096 + 3 * 12288) * 2
     outputs = (31 * 151936 + 48_992 * 4096) * 2
     assert plan.cuda_graphs == (41 + 5) * GRAPH_OVERHEAD_PER_SIZE + outputs + pool
-    # counted so, 25 prompt sizes (512 to 4096 by quarters) come to a little above the 0.10 + 0.61 GiB the server
-    # logged for them on an H100 (docs/performance.md)
-    logged = (25 + 5) * GRAPH_OVERHEAD_PER_SIZE + (31 * 151936 + 25_952 * 4096) * 2 + pool
-    assert 0.71 < logged / 2**30 < 0.71 * 1.2
+    # the server logged 0.10 + 0.71 GiB for these graphs on an H100 (docs/performance.md): part of a graph's output
+    # lands in the pool, so the estimate is above it, the more so the more sizes; counted so, the 25 sizes of
+    # quarter steps above 512 tokens come to a little above the 0.10 + 0.61 GiB logged for them
+    assert 0.81 < plan.cuda_graphs / 2**30 < 0.81 * 1.4
+    quarters = (25 + 5) * GRAPH_OVERHEAD_PER_SIZE + (31 * 151936 + 25_952 * 4096) * 2 + pool
+    assert 0.71 < quarters / 2**30 < 0.71 * 1.2
     small = make_plan(EngineArgs(model="Qwen/Qwen3-8B", gpu_memory_utilization=0.88, max_model_len=8192,
                                  max_num_seqs=16, max_num_batched_tokens=4096, max_cudagraph_capture_size=512),
                       gpu="H200-141GB")
