@@ -35,8 +35,11 @@ class Simulation:
         A preset of another GPU than the calibration's also scales its step costs by their peaks' ratios."""
         from pagedserve.tune.plan import FP8_KV_GPUS, GPU_PEAKS, GPU_PRESETS
 
+        if gpu_memory_gib is not None and not gpu_memory_gib > 0:
+            raise ConfigError(f"--gpu-memory: {gpu_memory_gib} GiB; give the GPU's memory as a positive number of GiB.")
         cal = load_calibration(name_or_path)
-        total = int(gpu_memory_gib * GiB) if gpu_memory_gib else GPU_PRESETS[gpu] if gpu else cal.gpu_memory_bytes
+        total = int(gpu_memory_gib * GiB) if gpu_memory_gib is not None else GPU_PRESETS[gpu] if gpu else \
+            cal.gpu_memory_bytes
         if total <= 0:
             raise ConfigError(f"--simulate {name_or_path}: the calibration records no GPU memory (it was measured on "
                               f"{cal.gpu}); give --gpu-memory GiB.")
