@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pagedserve.engine.block_pool import BlockPool
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.model.runner import prompt_graph_sizes
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -208,6 +209,10 @@ def test_a_held_down_step_ends_on_a_step_size_where_the_bound_allows():
     assert held_prompt_tokens(250, sizes) == 256  # 506 pads to 512 by 6: nearer than 448
     assert held_prompt_tokens(300, sizes) == 212  # 556 is past the largest graph: 512 replays one
     assert held_prompt_tokens(100, (128, 512)) == 256  # 128 would leave 28: the bound stands
+    # the engine's own sizes (an eighth apart from 256 on): the reference online test's step, 15 decodes beside a
+    # prompt, still replays the 256-token graph; 24 decodes take the whole bound into the 288-token graph
+    engine_sizes = tuple(prompt_graph_sizes(4096))
+    assert held_prompt_tokens(15, engine_sizes) == 241 and held_prompt_tokens(24, engine_sizes) == 256
 
 
 def test_token_budget_wins_over_sequence_cap():
