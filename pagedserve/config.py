@@ -130,7 +130,7 @@ class ModelConfig:
             attn += 2 * d
         layer = attn + 3 * h * i + 2 * h
         embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * layer + embed + head + h
 
 

@@ -386,7 +386,7 @@ def test_a_preset_or_a_size_gives_the_simulated_gpu_its_memory():
     assert h100.engine("Qwen/Qwen3-8B", flags)[1].num_blocks < h200.engine("Qwen/Qwen3-8B", flags)[1].num_blocks
     with pytest.raises(ConfigError, match="would not start"):
         Simulation.load("h200-qwen3-8b-bf16", gpu_memory_gib=16).engine("Qwen/Qwen3-8B", flags)
-    for nothing in (0, -1.0, float("nan")):  # never read as "no size given"
+    for nothing in (0, -1.0, float("nan"), float("inf")):  # refused as the planner refuses them
         with pytest.raises(ConfigError, match="--gpu-memory"):
             Simulation.load("h200-qwen3-8b-bf16", gpu_memory_gib=nothing)
 

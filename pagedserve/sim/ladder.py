@@ -33,13 +33,11 @@ class Simulation:
     def load(cls, name_or_path: str, gpu_memory_gib: float | None = None, gpu: str | None = None) -> "Simulation":
         """A calibration, on a GPU of ``gpu_memory_gib`` GiB, else of preset ``gpu``'s memory, else its own.
         A preset of another GPU than the calibration's also scales its step costs by their peaks' ratios."""
-        from pagedserve.tune.plan import FP8_KV_GPUS, GPU_PEAKS, GPU_PRESETS
+        from pagedserve.tune.plan import FP8_KV_GPUS, GPU_PEAKS, gpu_total_memory
 
-        if gpu_memory_gib is not None and not gpu_memory_gib > 0:
-            raise ConfigError(f"--gpu-memory: {gpu_memory_gib} GiB; give the GPU's memory as a positive number of GiB.")
+        given = gpu_total_memory(gpu, gpu_memory_gib)
         cal = load_calibration(name_or_path)
-        total = int(gpu_memory_gib * GiB) if gpu_memory_gib is not None else GPU_PRESETS[gpu] if gpu else \
-            cal.gpu_memory_bytes
+        total = cal.gpu_memory_bytes if given is None else given
         if total <= 0:
             raise ConfigError(f"--simulate {name_or_path}: the calibration records no GPU memory (it was measured on "
                               f"{cal.gpu}); give --gpu-memory GiB.")

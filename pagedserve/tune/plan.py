@@ -102,6 +102,17 @@ class Plan:
         return "\n".join(lines)
 
 
+def gpu_total_memory(gpu: str | None, gpu_memory_gib: float | None) -> int | None:
+    """Bytes of the GPU named by ``--gpu-memory`` GiB, else by preset ``gpu``; None when neither is given."""
+    from pagedserve.errors import ConfigError
+
+    if gpu is not None and gpu not in GPU_PRESETS:
+        raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PRESETS)} or give --gpu-memory GiB.")
+    if gpu_memory_gib is not None and not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+        raise ConfigError(f"--gpu-memory {gpu_memory_gib}: give the GPU's memory in GiB, a number above 0.")
+    return int(gpu_memory_gib * GiB) if gpu_memory_gib is not None else GPU_PRESETS[gpu] if gpu else None
+
+
 def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | None = None,
               input_len: int | None = None, output_len: int | None = None,
               recorded: list[int] | None = None) -> Plan:
@@ -110,11 +121,7 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
     ``recorded`` requests (their prompt + output tokens, from a ``--record-lengths`` file)."""
     from pagedserve.errors import ConfigError
 
-    if gpu is not None and gpu not in GPU_PRESETS:
-        raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PRESETS)} or give --gpu-memory GiB.")
-    if gpu_memory_gib is not None and not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
-        raise ConfigError(f"--gpu-memory {gpu_memory_gib}: give the GPU's memory in GiB, a number above 0.")
-    total = int(gpu_memory_gib * GiB) if gpu_memory_gib is not None else GPU_PRESETS.get(gpu) if gpu else None
+    total = gpu_total_memory(gpu, gpu_memory_gib)
     on_gpu = total is not None
     if not on_gpu and args.kv_cache_memory is None and args.num_gpu_blocks_override is None:
         raise ConfigError("Give --gpu (a preset) or --gpu-memory GiB, or --kv-cache-memory for a CPU plan.")
