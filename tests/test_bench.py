@@ -422,6 +422,24 @@ def test_a_benchmark_refused_by_the_engine_ends_with_its_message_not_a_traceback
     assert e.value.code == 1 and "paced_online.py: error: the server went away" in capsys.readouterr().err
 
 
+def test_overlap_benchmark_holds_the_gemms_to_fewer_sms_only_inside_its_carveout():
+    """The carved arms' target is set while their prompts' GEMMs are issued (a graph keeps what was read at
+    capture) and put back after, also when the arm raises."""
+    import torch
+
+    from benchmarks.kernels.overlap import carved, sm_carveout
+
+    assert torch._C._get_sm_carveout_experimental() is None
+    with sm_carveout(16):
+        assert torch._C._get_sm_carveout_experimental() == 16
+        with pytest.raises(RuntimeError), sm_carveout(32):
+            assert torch._C._get_sm_carveout_experimental() == 32
+            raise RuntimeError
+        assert torch._C._get_sm_carveout_experimental() == 16
+    assert torch._C._get_sm_carveout_experimental() is None
+    assert carved(16) == "two streams, prompts' GEMMs on all but 16 SMs"
+
+
 def test_overlap_benchmark_splits_a_mixed_step_into_batches_that_compute_the_same_rows():
     """The overlap benchmark's decodes and prompts, run apart, give the rows of the one mixed batch: its
     arms differ only in how the same work is launched."""
@@ -438,8 +456,8 @@ def test_overlap_benchmark_splits_a_mixed_step_into_batches_that_compute_the_sam
     assert (decodes.seq_lens >= 6).all() and (decodes.seq_lens <= 10).all()
     prompts = step.batches["prompts"]
     assert prompts.positions.tolist() == list(range(7)) and prompts.meta.query_start_loc.tolist() == [0, 7]
-    arms = step.arms()
-    assert "two streams" not in arms  # needs CUDA streams
+    arms = step.arms(carveouts=(16,))
+    assert list(arms) == ["decodes", "prompts", "one batch", "in series"]  # the two-stream arms need CUDA streams
     one = arms["one batch"]()
     assert one.shape == (10, 64) and torch.isfinite(one).all()
     torch.testing.assert_close(arms["in series"](), one, rtol=1e-5, atol=1e-5)

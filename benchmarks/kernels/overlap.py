@@ -11,20 +11,24 @@ graphs, this times:
 - both as one batch (what a mixed step runs today, prepared as a step launched kernel by kernel),
 - both in series on one stream, and both on two streams (the decodes on the capture stream, the prompts on
   a second one),
+- with ``--sm-carveout N,...``: two streams again, the prompts' GEMMs held to all but N multiprocessors
+  (cuBLASLt's SM count target), so that the decodes' memory-bound attention has SMs of its own while the
+  prompts' projections run; every arm then runs on cuBLASLt, the one library that takes the target,
 
 and scales each to the model's layer count. With as many prompt tokens as decodes a step, a workload of
 equal input and output lengths (1,024 / 1,024) is in its steady state: the decodes a second of a step are
 then its output tok/s.
 
 python -m benchmarks.kernels.overlap [--model Qwen/Qwen3-8B] [--decodes 332] [--prompt-tokens 256,512,1024]
-    [--kv-cache-dtype auto,fp8] [--layers 4] [--context 1024]
+    [--kv-cache-dtype auto,fp8] [--layers 4] [--context 1024] [--sm-carveout 16,32,48]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -39,6 +43,24 @@ from pagedserve.model.worker import attention_backend
 from tests.test_triton_attention import make_batch
 
 PROMPT_LEN = 1024  # the longest prompt chunk of the prompt batch
+TWO_STREAMS = "two streams"
+
+
+@contextlib.contextmanager
+def sm_carveout(sms: int | None) -> Iterator[None]:
+    """GEMMs issued inside leave ``sms`` multiprocessors to other work (None: every SM); cuBLASLt reads the
+    target when a GEMM is issued, so a graph captured inside keeps it."""
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
+def carved(sms: int) -> str:
+    """The arm whose prompts' GEMMs leave ``sms`` multiprocessors free."""
+    return f"{TWO_STREAMS}, prompts' GEMMs on all but {sms} SMs"
 
 
 @dataclasses.dataclass
@@ -98,41 +120,44 @@ class MixedStep:
         return self.model(b.ids, b.positions, self.caches, b.meta)
 
     @torch.no_grad()
-    def side_by_side(self, side: torch.cuda.Stream | None) -> torch.Tensor:
+    def side_by_side(self, side: torch.cuda.Stream | None, carveout: int | None = None) -> torch.Tensor:
         """The decodes on the current stream and the prompts on ``side`` (None: one after the other), the
-        rows in one-batch order."""
+        prompts' GEMMs leaving ``carveout`` SMs to the decodes; the rows in one-batch order."""
         if side is None:
             return torch.cat([self.forward("decodes"), self.forward("prompts")])
         main = torch.cuda.current_stream()
         side.wait_stream(main)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), sm_carveout(carveout):
             prompts = self.forward("prompts")
         decodes = self.forward("decodes")
         main.wait_stream(side)
         return torch.cat([decodes, prompts])
 
-    def arms(self) -> dict[str, Callable[[], torch.Tensor]]:
+    def arms(self, carveouts: tuple[int, ...] = ()) -> dict[str, Callable[[], torch.Tensor]]:
         arms = {name: (lambda name=name: self.forward(name)) for name in ("decodes", "prompts", "one batch")}
         arms["in series"] = lambda: self.side_by_side(None)
         if torch.cuda.is_available():
             side = torch.cuda.Stream()
-            arms["two streams"] = lambda: self.side_by_side(side)
+            arms[TWO_STREAMS] = lambda: self.side_by_side(side)
+            for sms in carveouts:
+                arms[carved(sms)] = lambda sms=sms: self.side_by_side(side, sms)
         return arms
 
 
-def time_arms(step: MixedStep, reps: int = 20) -> dict[str, float]:
-    """Milliseconds of one replay of each arm's graph, and the largest difference of the two-stream rows
+def time_arms(step: MixedStep, carveouts: tuple[int, ...] = (), reps: int = 20) -> tuple[dict[str, float], float]:
+    """Milliseconds of one replay of each arm's graph, and the largest difference of any two-stream arm's rows
     from the one-batch rows (the same sums in other tile orders)."""
-    out: dict[str, float] = {}
+    ms: dict[str, float] = {}
     results = {}
-    for name, fn in step.arms().items():
+    for name, fn in step.arms(carveouts).items():
         graph = captured(lambda _, name=name, fn=fn: results.__setitem__(name, fn()), 1)
-        out[name] = graph_ms(graph.replay, reps)
+        ms[name] = graph_ms(graph.replay, reps)
         results[name] = results[name].float().clone()
         del graph
     ref = results["one batch"]
-    out["max_rel_diff"] = float((results["two streams"] - ref).abs().max() / ref.abs().max())
-    return out
+    diff = max(float((rows - ref).abs().max() / ref.abs().max())
+               for name, rows in results.items() if name.startswith(TWO_STREAMS))
+    return ms, diff
 
 
 def main() -> None:
@@ -144,26 +169,38 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=positives, default=[256, 512, 1024], help="comma-separated prompt tokens a step")
     p.add_argument("--kv-cache-dtype", default="auto,fp8", help="comma-separated")
     p.add_argument("--layers", type=positive_int, default=4, help="layers run (each its own weights and cache)")
+    p.add_argument("--sm-carveout", type=positives, default=[],
+                   help="comma-separated SM counts the prompts' GEMMs leave to the decodes, each an arm of its own "
+                        "(every arm then on cuBLASLt)")
     ns = p.parse_args()
+    carveouts = tuple(ns.sm_carveout)
+    if carveouts:
+        if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            p.error(f"--sm-carveout: torch {torch.__version__} has no cuBLASLt SM carveout")
+        if max(carveouts) >= (sms := torch.cuda.get_device_properties(0).multi_processor_count):
+            p.error(f"--sm-carveout: this GPU has {sms} SMs; leave the GEMMs at least one")
+        torch.backends.cuda.preferred_blas_library("cublaslt")
     print(f"{torch.cuda.get_device_name()}; {ns.model}, first {ns.layers} layers; {ns.decodes} decodes at contexts "
-          f"{ns.context}..{2 * ns.context - 1}; times scaled to every layer")
+          f"{ns.context}..{2 * ns.context - 1}; times scaled to every layer; GEMMs on "
+          f"{torch.backends.cuda.preferred_blas_library().name}")
     for kv in ns.kv_cache_dtype.split(","):
         for tokens in ns.prompt_tokens:
             args = EngineArgs(model=ns.model, load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv, device="cuda")
             step = MixedStep(args, ns.layers, ns.decodes, ns.context, tokens)
-            ms = time_arms(step)
+            ms, diff = time_arms(step, carveouts)
             scale = step.full_layers / ns.layers
-            hidden = (ms["decodes"] + ms["prompts"] - ms["two streams"]) / min(ms["decodes"], ms["prompts"])
             print(f"\n== KV {kv}, {tokens} prompt tokens beside the decodes: ms a step of {step.full_layers} layers "
-                  f"(decodes a second); two streams against one batch: rows differ by {ms['max_rel_diff']:.1e}")
-            for name in ("decodes", "prompts", "one batch", "in series", "two streams"):
-                rate = "" if name == "prompts" else f" ({ns.decodes / (ms[name] * scale) * 1e3:6.0f} /s)"
-                print(f"  {name:<12} {ms[name] * scale:8.2f} ms{rate}")
-            print(f"  two streams hide {100 * hidden:.0f} % of the shorter batch; against one batch "
-                  f"{100 * (ms['one batch'] / ms['two streams'] - 1):+.1f} % decodes a second")
+                  f"(decodes a second); two streams against one batch: rows differ by {diff:.1e}")
+            width = max(map(len, ms))
+            for name, t in ms.items():
+                rate = "" if name == "prompts" else f" ({ns.decodes / (t * scale) * 1e3:6.0f} /s)"
+                print(f"  {name:<{width}} {t * scale:8.2f} ms{rate}")
+            for name in (n for n in ms if n.startswith(TWO_STREAMS)):
+                hidden = (ms["decodes"] + ms["prompts"] - ms[name]) / min(ms["decodes"], ms["prompts"])
+                print(f"  {name}: hide {100 * hidden:.0f} % of the shorter batch; against one batch "
+                      f"{100 * (ms['one batch'] / ms[name] - 1):+.1f} % decodes a second")
             del step
             torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     run_main(main)
