@@ -438,6 +438,7 @@ def test_overlap_benchmark_holds_the_gemms_to_fewer_sms_only_inside_its_carveout
         assert torch._C._get_sm_carveout_experimental() == 16
     assert torch._C._get_sm_carveout_experimental() is None
     assert carved(16) == "two streams, prompts' GEMMs on all but 16 SMs"
+    assert carved(16, split=True) == "two streams, prompts' GEMMs on all but 16 SMs, decodes' on those"
 
 
 def test_overlap_benchmark_splits_a_mixed_step_into_batches_that_compute_the_same_rows():

@@ -13,7 +13,9 @@ graphs, this times:
   a second one),
 - with ``--sm-carveout N,...``: two streams again, the prompts' GEMMs held to all but N multiprocessors
   (cuBLASLt's SM count target), so that the decodes' memory-bound attention has SMs of its own while the
-  prompts' projections run; every arm then runs on cuBLASLt, the one library that takes the target,
+  prompts' projections run; and the GEMMs split, the decodes' held to those N SMs as well (else one of
+  theirs that starts beside a prompts' GEMM waits for SMs the other holds); every arm then runs on
+  cuBLASLt, the one library that takes the target,
 
 and scales each to the model's layer count. With as many prompt tokens as decodes a step, a workload of
 equal input and output lengths (1,024 / 1,024) is in its steady state: the decodes a second of a step are
@@ -58,9 +60,10 @@ def sm_carveout(sms: int | None) -> Iterator[None]:
         torch._C._set_sm_carveout_experimental(before)
 
 
-def carved(sms: int) -> str:
-    """The arm whose prompts' GEMMs leave ``sms`` multiprocessors free."""
-    return f"{TWO_STREAMS}, prompts' GEMMs on all but {sms} SMs"
+def carved(sms: int, split: bool = False) -> str:
+    """The arm whose prompts' GEMMs leave ``sms`` multiprocessors free (``split``: the decodes' GEMMs run on
+    those)."""
+    return f"{TWO_STREAMS}, prompts' GEMMs on all but {sms} SMs" + (", decodes' on those" if split else "")
 
 
 @dataclasses.dataclass
@@ -120,16 +123,20 @@ class MixedStep:
         return self.model(b.ids, b.positions, self.caches, b.meta)
 
     @torch.no_grad()
-    def side_by_side(self, side: torch.cuda.Stream | None, carveout: int | None = None) -> torch.Tensor:
+    def side_by_side(self, side: torch.cuda.Stream | None, carveout: int | None = None,
+                     split: bool = False) -> torch.Tensor:
         """The decodes on the current stream and the prompts on ``side`` (None: one after the other), the
-        prompts' GEMMs leaving ``carveout`` SMs to the decodes; the rows in one-batch order."""
+        prompts' GEMMs leaving ``carveout`` SMs to the decodes (``split``: the decodes' GEMMs held to those);
+        the rows in one-batch order."""
         if side is None:
             return torch.cat([self.forward("decodes"), self.forward("prompts")])
         main = torch.cuda.current_stream()
         side.wait_stream(main)
         with torch.cuda.stream(side), sm_carveout(carveout):
             prompts = self.forward("prompts")
-        decodes = self.forward("decodes")
+        sms = torch.cuda.get_device_properties(main.device).multi_processor_count
+        with sm_carveout(sms - carveout if split else None):
+            decodes = self.forward("decodes")
         main.wait_stream(side)
         return torch.cat([decodes, prompts])
 
@@ -140,7 +147,8 @@ class MixedStep:
             side = torch.cuda.Stream()
             arms[TWO_STREAMS] = lambda: self.side_by_side(side)
             for sms in carveouts:
-                arms[carved(sms)] = lambda sms=sms: self.side_by_side(side, sms)
+                for split in (False, True):
+                    arms[carved(sms, split)] = lambda sms=sms, split=split: self.side_by_side(side, sms, split)
         return arms
 
 
