@@ -9,7 +9,8 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.cli import main
-from pagedserve.config import EngineArgs
+from pagedserve.builtin.known_models import KNOWN_MODELS
+from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.tune.diagnose import diagnose, parse_sample
 from pagedserve.tune.plan import GPU_PRESETS, GRAPH_OVERHEAD_PER_SIZE, NON_TORCH_ESTIMATE, make_plan
 from tests.serving import running_server
@@ -84,7 +85,32 @@ def test_plan_failures_and_warnings():
     assert any("headroom" in w for w in greedy_util.warnings)
     crowded = make_plan(EngineArgs(model="Qwen/Qwen3-8B", max_model_len=32768, max_num_seqs=128), gpu="A100-80GB",
                         input_len=30000, output_len=2000)
-    assert any("--max-num-seqs 128 can never all run" in w for w in crowded.warnings)
+    [warning] = [w for w in crowded.warnings if "--max-num-seqs 128 can never all run" in w]
+    # at the lengths given, a lower --max-model-len changes nothing; an fp8 cache would hold twice as many
+    assert warning.endswith("or use --kv-cache-dtype fp8.") and "--max-model-len" not in warning
+    at_cap = make_plan(EngineArgs(model="Qwen/Qwen3-32B", kv_cache_dtype="fp8"), gpu="H100-80GB")
+    [warning] = [w for w in at_cap.warnings if "can never all run at 40960 tokens" in w]
+    assert warning.endswith("; set --max-num-seqs 1 or lower --max-model-len.")  # the cache is fp8 already
+
+
+def test_the_shipped_model_facts_give_the_checkpoints_parameter_counts():
+    """Each built-in name's config.json facts give its checkpoint's parameter count (the published totals; Qwen3's
+    model cards round to a tenth of a billion), so the planner sizes the real model: Llama-3.1-70B does not fit
+    one H200 in 16 bits and does on two."""
+    exact = {"meta-llama/Llama-3.2-1B": 1_235_814_400, "meta-llama/Llama-3.2-3B": 3_212_749_824,
+             "meta-llama/Llama-3.1-8B": 8_030_261_248, "meta-llama/Llama-3.1-70B": 70_553_706_496,
+             "mistralai/Mistral-7B-v0.3": 7_248_023_552, "Qwen/Qwen2.5-7B-Instruct": 7_615_616_512}
+    cards = {"Qwen/Qwen3-0.6B": 0.6, "Qwen/Qwen3-1.7B": 1.7, "Qwen/Qwen3-4B": 4.0, "Qwen/Qwen3-8B": 8.2,
+             "Qwen/Qwen3-14B": 14.8, "Qwen/Qwen3-32B": 32.8}
+    assert set(exact) | set(cards) == set(KNOWN_MODELS)
+    for name, facts in KNOWN_MODELS.items():
+        params = ModelConfig.from_hf_dict(facts).num_params()
+        assert params == exact[name] if name in exact else round(params / 1e9, 1) == cards[name], (name, params)
+    one = make_plan(EngineArgs(model="meta-llama/Llama-3.1-70B"), gpu="H200-141GB")
+    assert one.failures and "--tensor-parallel-size" in one.failures[0]
+    two = make_plan(EngineArgs(model="meta-llama/Llama-3.1-70B", tensor_parallel_size=2, max_model_len=32768),
+                    gpu="H200-141GB")
+    assert not two.failures and two.budget.weights == 70_553_706_496  # half of the 2-byte weights a GPU
 
 
 def test_plan_cli_json_and_exit_code(capsys):

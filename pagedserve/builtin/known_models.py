@@ -21,6 +21,26 @@ _QWEN3_COMMON = {
     "eos_token_id": 151645,
 }
 
+_LLAMA3_COMMON = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+
+def _llama3_rope(factor: float) -> dict:
+    """Llama 3.1 / 3.2's long-context rotary scaling, which differs between them only by its factor."""
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
 KNOWN_MODELS: dict[str, dict] = {
     "Qwen/Qwen3-0.6B": {
         **_QWEN3_COMMON,
@@ -58,6 +78,24 @@ KNOWN_MODELS: dict[str, dict] = {
         "num_key_value_heads": 8,
         "tie_word_embeddings": False,
     },
+    "Qwen/Qwen3-14B": {
+        **_QWEN3_COMMON,
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen3-32B": {
+        **_QWEN3_COMMON,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
     "Qwen/Qwen2.5-7B-Instruct": {
         "model_type": "qwen2",
         "architectures": ["Qwen2ForCausalLM"],
@@ -77,30 +115,47 @@ KNOWN_MODELS: dict[str, dict] = {
         "bos_token_id": 151643,
         "eos_token_id": 151645,
     },
+    "meta-llama/Llama-3.2-1B": {
+        **_LLAMA3_COMMON,
+        "rope_scaling": _llama3_rope(32.0),
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+    },
+    "meta-llama/Llama-3.2-3B": {
+        **_LLAMA3_COMMON,
+        "rope_scaling": _llama3_rope(32.0),
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    },
     "meta-llama/Llama-3.1-8B": {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        **_LLAMA3_COMMON,
+        "rope_scaling": _llama3_rope(8.0),
         "hidden_size": 4096,
         "intermediate_size": 14336,
         "num_hidden_layers": 32,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072,
-        "attention_bias": False,
         "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
+    },
+    "meta-llama/Llama-3.1-70B": {
+        **_LLAMA3_COMMON,
+        "rope_scaling": _llama3_rope(8.0),
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
     },
     "mistralai/Mistral-7B-v0.3": {
         "model_type": "mistral",

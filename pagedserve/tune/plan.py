@@ -165,8 +165,15 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
     per_req = (input_len or 0) + (output_len or 0) or typical or cfg.max_model_len
     fit = math.floor(budget.max_concurrency(per_req))
     if cfg.max_num_seqs > fit:
+        # what would let them all run: fewer of them; shorter requests where the length is the cap's; a
+        # smaller cache format where the cache is not yet fp8
+        remedies = [f"set --max-num-seqs {max(fit, 1)}"]
+        if per_req == cfg.max_model_len:
+            remedies.append("lower --max-model-len")
+        if dtype_bytes(cfg.kv_dtype) > 1:
+            remedies.append("use --kv-cache-dtype fp8")
         plan.warnings.append(
             f"--max-num-seqs {cfg.max_num_seqs} can never all run at {per_req} tokens per request: the KV cache "
-            f"holds {fit}. Expect preemptions above {fit} running requests; set --max-num-seqs {max(fit, 1)} or "
-            f"lower --max-model-len / use --kv-cache-dtype fp8.")
+            f"holds {fit}. Expect preemptions above {fit} running requests; {', '.join(remedies[:-1])}"
+            f"{' or ' if len(remedies) > 1 else ''}{remedies[-1]}.")
     return plan
