@@ -74,6 +74,7 @@ class MemoryBudget:
     block_size: int
     num_blocks: int
     max_model_len: int
+    kv_element_bytes: int          # 1: an fp8 cache, which cannot be halved again
 
     @property
     def bytes_per_block(self) -> int:
@@ -114,11 +115,12 @@ class MemoryBudget:
         if self.num_blocks < need_blocks:
             fits = self.num_blocks * self.block_size
             shorter = f"Lower --max-model-len to at most {fits:,}, or give" if fits else "Give"
+            more = "more memory (--gpu-memory-utilization / --kv-cache-memory)"
             return [f"The KV cache holds {fits:,} tokens ({self.num_blocks:,} blocks of {self.block_size}, "
                     f"{fmt_bytes(self.kv_cache_bytes)}), but one request of max_model_len={self.max_model_len:,} needs "
                     f"{need_blocks:,} blocks ({fmt_bytes(need_blocks * self.bytes_per_block)}). {shorter} the cache "
-                    f"more memory (--gpu-memory-utilization / --kv-cache-memory), or halve its size per token with "
-                    f"--kv-cache-dtype fp8."]
+                    + (f"{more}, or halve its size per token with --kv-cache-dtype fp8." if self.kv_element_bytes > 1
+                       else f"{more}.")]
         return []
 
     def check(self) -> "MemoryBudget":
@@ -161,7 +163,7 @@ def compute_budget(*, model: ModelConfig, kv_dtype: torch.dtype, block_size: int
         source = "gpu_memory_utilization"
         kv_bytes = int(device_total * utilization) - weights - activation_peak - non_torch
     return MemoryBudget(source, device_total, utilization, weights, activation_peak, non_torch, kv_bytes,
-                        per_token, block_size, max(0, kv_bytes // per_block), max_model_len)
+                        per_token, block_size, max(0, kv_bytes // per_block), max_model_len, dtype_bytes(kv_dtype))
 
 
 def check_free_memory(free: int, total: int, config) -> None:

@@ -81,6 +81,10 @@ def test_plan_failures_and_warnings():
     fits = no_len.budget.kv_tokens
     assert 0 < fits < 131072
     assert no_len.failures and f"Lower --max-model-len to at most {fits:,}" in no_len.failures[0]
+    assert no_len.failures[0].endswith("or halve its size per token with --kv-cache-dtype fp8.")
+    fp8 = make_plan(EngineArgs(model="meta-llama/Llama-3.1-8B", max_model_len=131072, kv_cache_dtype="fp8",
+                               gpu_memory_utilization=0.9), gpu="RTX-4090")
+    assert fp8.failures and fp8.failures[0].endswith("more memory (--gpu-memory-utilization / --kv-cache-memory).")
     greedy_util = make_plan(EngineArgs(model="Qwen/Qwen3-0.6B", gpu_memory_utilization=0.995), gpu="H100-80GB")
     assert any("headroom" in w for w in greedy_util.warnings)
     crowded = make_plan(EngineArgs(model="Qwen/Qwen3-8B", max_model_len=32768, max_num_seqs=128), gpu="A100-80GB",

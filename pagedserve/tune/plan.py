@@ -170,7 +170,7 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
         remedies = [f"set --max-num-seqs {max(fit, 1)}"]
         if per_req == cfg.max_model_len:
             remedies.append("lower --max-model-len")
-        if dtype_bytes(cfg.kv_dtype) > 1:
+        if budget.kv_element_bytes > 1:
             remedies.append("use --kv-cache-dtype fp8")
         plan.warnings.append(
             f"--max-num-seqs {cfg.max_num_seqs} can never all run at {per_req} tokens per request: the KV cache "
