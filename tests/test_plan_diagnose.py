@@ -185,6 +185,13 @@ def test_diagnose_kv_pressure_from_preemptions():
     rows = [(16, 4, 0.97, 10 + i * 3, 10 + i, 100 + 10 * i, 5 + i, 500 + 100 * i) for i in range(6)]
     d = diagnose(series(rows), max_num_seqs=16)
     assert d.situation == 2 and "--max-num-seqs" in d.first_change and "preemptions in the window: 15" in d.text()
+    assert "--kv-cache-dtype fp8 doubles the cache" in d.first_change
+    # a server whose cache is fp8 already (vLLM's cache config info says so) is not told to make it fp8
+    info = ('# TYPE vllm:cache_config_info gauge\n'
+            'vllm:cache_config_info{block_size="16",cache_dtype="fp8",enable_prefix_caching="True"} 1.0\n')
+    fp8 = [parse_sample(info + metrics_text(*row), t=float(i)) for i, row in enumerate(rows)]
+    d = diagnose(fp8, max_num_seqs=16)
+    assert d.situation == 2 and "--max-num-seqs" in d.first_change and "fp8" not in d.first_change
 
 
 def test_diagnose_queueing_at_the_sequence_cap():

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.bench.metrics import info_labels
 from pagedserve.cli import main
 from tests.serving import metric_values, running_server, serve_process, wait_until
 
@@ -277,6 +278,10 @@ def test_metrics_counters_move(server, client):
                  "pagedserve:device_memory_used_bytes", "pagedserve:device_memory_peak_bytes"):
         assert name in before, name
     assert before["pagedserve:max_num_seqs"] == 16 and before["pagedserve:max_num_batched_tokens"] > 0
+    # the cache config as vLLM labels it: the --kv-cache-dtype as given, which diagnose reads
+    labels = info_labels(httpx.get(f"{url}/metrics").text, "vllm:cache_config_info")
+    assert labels["cache_dtype"] == "auto" and labels["enable_prefix_caching"] == "True"
+    assert int(labels["num_gpu_blocks"]) == server[1].state.engine.core.pool.num_blocks
     c = client.completions.create(model="tiny", prompt="Hello world", max_tokens=7, temperature=0,
                                   extra_body={"ignore_eos": True})
     after = metric_values(url)

@@ -52,6 +52,18 @@ def scrape(text: str, names: dict[str, str],
     return values, buckets
 
 
+def info_labels(text: str, name: str) -> dict[str, str]:
+    """The labels of info metric ``name`` (a gauge of 1 whose labels carry the facts) in Prometheus text; empty
+    when the server has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                return dict(s.labels)
+    return {}
+
+
 def histogram_quantile(first: dict[float, float], last: dict[float, float], q: float) -> float | None:
     """The ``q`` quantile of what a histogram counted between two scrapes, interpolated within its bucket
     as Prometheus does (the last finite bound where it falls past them); None when nothing was counted."""

@@ -15,7 +15,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pagedserve.engine.core import STEP_INTERVAL_BUCKETS, STEP_TOKEN_BUCKETS
 from pagedserve.engine.request import Request
 from pagedserve.errors import ConfigError
-from pagedserve.memory import dtype_name
 from pagedserve.outputs import RequestOutput
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -176,10 +175,13 @@ class _EngineCollector:
             success.add_metric([*self.labels.values(), reason], n)
         yield success
         budget = core.worker.budget
+        # label values as vLLM's cache config holds them: cache_dtype as given ("auto", "fp8", ...)
+        args = core.config.args
         info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "gpu_memory_utilization"])
-        info.add_metric([str(budget.block_size), str(budget.num_blocks), dtype_name(core.config.kv_dtype),
-                         str(core.config.args.gpu_memory_utilization)], 1)
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "gpu_memory_utilization",
+                                         "enable_prefix_caching"])
+        info.add_metric([str(budget.block_size), str(budget.num_blocks), args.kv_cache_dtype,
+                         str(args.gpu_memory_utilization), str(args.enable_prefix_caching)], 1)
         yield info
 
 

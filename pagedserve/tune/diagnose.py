@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.bench.knee import HOST_BOUND
-from pagedserve.bench.metrics import KV_FULL, scrape
+from pagedserve.bench.metrics import KV_FULL, info_labels, scrape
 from pagedserve.errors import option
 
 RISING = 1.5            # second-half mean latency over first-half mean that counts as "rising"
@@ -43,8 +43,10 @@ _NAMES = {
 
 
 def parse_sample(text: str, t: float) -> dict[str, float]:
-    """The metrics diagnose reads from one scrape, summed over label sets, with its time."""
-    return {"t": t, **scrape(text, _NAMES)[0]}
+    """The metrics diagnose reads from one scrape, summed over label sets, with its time; ``kv_fp8`` 1 where the
+    server's KV cache is fp8 already (its cache config, as vLLM reports it)."""
+    fp8 = info_labels(text, "vllm:cache_config_info").get("cache_dtype", "").startswith("fp8")
+    return {"t": t, **scrape(text, _NAMES)[0], "kv_fp8": float(fp8)}
 
 
 @dataclass
@@ -119,10 +121,11 @@ def diagnose(samples: list[dict[str, float]], max_num_seqs: int | None = None, u
                         f"between steps and the host bounds them)")
 
     if preempted > 0 or kv_peak >= KV_FULL:
+        fp8 = "" if last.get("kv_fp8") else "--kv-cache-dtype fp8 doubles the cache after a quality check. "
         return Diagnosis(2, "KV-cache / context pressure (the kind that ends in OOM or preemption storms)",
                          "lower --max-num-seqs (or --max-model-len, or cap input tokens at the entrance); "
-                         "--kv-cache-dtype fp8 doubles the cache after a quality check. Do not just raise "
-                         "--gpu-memory-utilization: it takes the headroom CUDA workspaces need.", evidence)
+                         f"{fp8}Do not just raise --gpu-memory-utilization: it takes the headroom CUDA workspaces "
+                         "need.", evidence)
     rising = any(a is not None and b is not None and b > RISING * a and b > 0.05
                  for a, b in ((ttft_early, ttft_late), (itl_early, itl_late)))
     if waiting_peak > 0 or rising:
