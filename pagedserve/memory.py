@@ -101,11 +101,7 @@ class MemoryBudget:
         """Why this budget would not start, in the order the engine checks (empty: it starts)."""
         if self.kv_source == "gpu_memory_utilization":
             if self.weights > self.requested:
-                need = self.weights / self.device_total
-                return [f"Model weights need {fmt_bytes(self.weights)} but the budget is only {fmt_bytes(self.requested)} "
-                        f"(--gpu-memory-utilization {self.utilization} of {fmt_bytes(self.device_total)}). The weights "
-                        f"alone need a utilization above {need:.2f}" + (" (more than the device has)" if need >= 1 else "")
-                        + ": use a smaller --dtype, shard with --tensor-parallel-size, or pick a smaller model."]
+                return [weights_over_budget(self.weights, self.utilization, self.device_total)]
             if self.kv_cache_bytes < self.bytes_per_block:
                 return [f"No memory left for the KV cache: weights {fmt_bytes(self.weights)} + activation peak "
                         f"{fmt_bytes(self.activation_peak)} + non-torch {fmt_bytes(self.non_torch)} leave "
@@ -166,11 +162,56 @@ def compute_budget(*, model: ModelConfig, kv_dtype: torch.dtype, block_size: int
                         per_token, block_size, max(0, kv_bytes // per_block), max_model_len, dtype_bytes(kv_dtype))
 
 
+_SMALLER = "use a smaller --dtype, shard with --tensor-parallel-size, or pick a smaller model"
+
+
+def weights_over_budget(weights: int, utilization: float, device_total: int) -> str:
+    """Why weights larger than the budget cannot start, and what to change."""
+    need = weights / device_total
+    return (f"Model weights need {fmt_bytes(weights)} but the budget is only {fmt_bytes(int(device_total * utilization))} "
+            f"(--gpu-memory-utilization {utilization} of {fmt_bytes(device_total)}). The weights alone need a "
+            f"utilization above {need:.2f}" + (" (more than the device has)" if need >= 1 else "") + f": {_SMALLER}.")
+
+
 def check_free_memory(free: int, total: int, config) -> None:
-    """At start-up the device must have the budget free: what other processes hold is not ours to take."""
-    requested = total * config.args.gpu_memory_utilization
+    """At start-up, before the weights load: the device must have the budget free (what other processes hold
+    is not ours to take), and the weights must fit in it (else the load would end in an out-of-memory error
+    part way), or, with the KV cache sized in bytes, in what is free."""
+    utilization = config.args.gpu_memory_utilization
+    requested = total * utilization
+    weights = weight_bytes(config.model, config.dtype, config.args.tensor_parallel_size)
     if config.kv_cache_memory is None and free < requested:
         raise ConfigError(
             f"Free memory on the device ({free / GiB:.2f}/{total / GiB:.2f} GiB) at start-up is less than the "
-            f"budget --gpu-memory-utilization {config.args.gpu_memory_utilization} asks for ({requested / GiB:.2f} "
-            f"GiB). Lower --gpu-memory-utilization or free memory used by other processes.")
+            f"budget --gpu-memory-utilization {utilization} asks for ({requested / GiB:.2f} GiB). Lower "
+            f"--gpu-memory-utilization or free memory used by other processes.")
+    if config.kv_cache_memory is None and config.args.num_gpu_blocks_override is None:  # the budget sizes the cache
+        if weights > requested:
+            raise ConfigError(weights_over_budget(weights, utilization, total))
+    elif weights > free:
+        raise ConfigError(f"Model weights need {fmt_bytes(weights)} but the device has {fmt_bytes(free)} free: "
+                          f"{_SMALLER}.")
+
+
+def check_host_memory(config, available: int | None) -> None:
+    """On the CPU the weights (of every rank) live in the machine's memory: weights larger than what is
+    ``available`` (None: unknown) fail before the load, not as an allocation error or a killed process."""
+    weights = weight_bytes(config.model, config.dtype)
+    if available is not None and weights > available:
+        raise ConfigError(
+            f"Model weights need {fmt_bytes(weights)} ({dtype_name(config.dtype)}) but this machine has "
+            f"{fmt_bytes(available)} of memory available: "
+            + ("--dtype bfloat16 halves them, or " if dtype_bytes(config.dtype) > 2 else "")
+            + "pick a smaller model, or run on a GPU.")
+
+
+def host_memory_available() -> int | None:
+    """Bytes of memory the kernel reports available to a new process (Linux's MemAvailable; None elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

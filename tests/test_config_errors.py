@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from pagedserve import LLM
 from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.errors import ConfigError
-from pagedserve.memory import GiB, compute_budget
+from pagedserve.memory import GiB, check_free_memory, check_host_memory, compute_budget, host_memory_available
 from pagedserve.builtin.known_models import KNOWN_MODELS
 from pagedserve.cli import main
 
@@ -77,6 +79,31 @@ def test_weights_do_not_fit():
                        weights=16 * GiB, activation_peak=GiB, device_total=24 * GiB, utilization=0.5).check()
     msg = str(e.value)
     assert "16.00 GiB" in msg and "12.00 GiB" in msg and "--gpu-memory-utilization" in msg and "0.67" in msg
+
+
+def test_weights_that_cannot_fit_fail_before_they_load(monkeypatch):
+    """Checked at start-up before the load, from the config's own parameter count: on a GPU against the budget
+    (the planner's message) or, with the cache sized in bytes, what is free; on the CPU against the machine's
+    available memory. A model that fits goes on to load."""
+    qwen = EngineArgs(model="Qwen/Qwen3-8B", load_format="dummy", gpu_memory_utilization=0.9)
+    gpu = qwen.create_config(plan_for="cuda")  # bf16: 15.26 GiB of weights
+    with pytest.raises(ConfigError) as e:
+        check_free_memory(free=15 * GiB, total=16 * GiB, config=gpu)
+    assert "budget is only 14.40 GiB" in str(e.value) and "--tensor-parallel-size" in str(e.value)
+    check_free_memory(free=40 * GiB, total=40 * GiB, config=gpu)
+    sized = dataclasses.replace(qwen, kv_cache_memory="1GiB").create_config(plan_for="cuda")
+    with pytest.raises(ConfigError, match="the device has 15.00 GiB free"):
+        check_free_memory(free=15 * GiB, total=80 * GiB, config=sized)
+    cpu = qwen.create_config(plan_for="cpu")  # float32 on the CPU: 30.51 GiB
+    with pytest.raises(ConfigError) as e:
+        check_host_memory(cpu, 20 * GiB)
+    assert "30.51 GiB (float32)" in str(e.value) and "--dtype bfloat16 halves them" in str(e.value)
+    check_host_memory(cpu, 40 * GiB)
+    check_host_memory(cpu, None)  # unknown: the load finds out
+    assert (host_memory_available() or 0) > 0
+    monkeypatch.setattr("pagedserve.model.worker.host_memory_available", lambda: 100 * 2**10)  # the tiny: 0.53 MiB
+    with pytest.raises(ConfigError, match="this machine has 0.10 MiB of memory available"):
+        LLM("tiny", kv_cache_memory="1MiB")
 
 
 def test_no_room_left_for_kv_cache():

@@ -21,8 +21,8 @@ import torch
 import torch.multiprocessing as mp
 
 from pagedserve.config import EngineConfig
-from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, check_free_memory, compute_budget,
-                               kv_heads_per_rank)
+from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, check_free_memory, check_host_memory,
+                               compute_budget, host_memory_available, kv_heads_per_rank)
 from pagedserve.model import parallel
 from pagedserve.model.attention import AttentionBackend, TorchAttentionBackend
 from pagedserve.model.cuda_gemv import CudaGemv
@@ -78,8 +78,10 @@ class Worker:
         self.config = config
         self.device = config.device
         self.tp_size = config.args.tensor_parallel_size
-        self._ranks = self._start_group(rank, port)
         on_cuda = self.device.type == "cuda"
+        if not on_cuda and rank == 0:
+            check_host_memory(config, host_memory_available())
+        self._ranks = self._start_group(rank, port)
         if on_cuda:
             torch.cuda.set_device(self.device)
             gc.collect()
