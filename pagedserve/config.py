@@ -379,6 +379,12 @@ class EngineArgs:
                 f"{flag('tensor_parallel_size')}: {size} must be >= 1 and divide the {m.num_heads} attention heads, "
                 f"the MLP width {m.intermediate_size} and the vocabulary {m.vocab_size}, and divide or be a "
                 f"multiple of the {m.num_kv_heads} KV heads.")
+        if device.type == "cuda" and not plan_for and size > (gpus := torch.cuda.device_count()):
+            # a rank a GPU: a rank without one would fail in its own process while the others wait for it
+            raise ConfigError(
+                f"{flag('tensor_parallel_size')}: {size} ranks need {size} GPUs, one each, but {gpus} "
+                f"{'is' if gpus == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Use at most {gpus}, or make more GPUs visible.")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"{flag('attention_backend')}: {self.attention_backend!r} is not one of auto, torch, triton.")
         if self.attention_backend == "triton" and importlib.util.find_spec("triton") is None:

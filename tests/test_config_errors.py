@@ -51,6 +51,18 @@ def test_bad_engine_args(kwargs, fragments):
         assert f in msg, msg
 
 
+def test_more_tensor_parallel_ranks_than_gpus_is_refused_before_any_rank_starts(monkeypatch):
+    """A rank a GPU: on a machine that shows fewer, the flag is named at once (a rank started without its GPU fails
+    in its own process while the others wait for it). The planner sizes any count without a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    msg = config_error(model="Qwen/Qwen3-8B", load_format="dummy", device="cuda", tensor_parallel_size=2)
+    assert "(--tensor-parallel-size): 2 ranks need 2 GPUs, one each, but 1 is visible (CUDA_VISIBLE_DEVICES=3)" in msg
+    assert EngineArgs(model="Qwen/Qwen3-8B", tensor_parallel_size=2).create_config(plan_for="cuda").model.num_layers
+
+
 def test_unknown_llm_kwarg_is_named():
     with pytest.raises(TypeError, match="max_num_seq\\b"):
         LLM("tiny", max_num_seq=4)
