@@ -52,6 +52,7 @@ def parse_size(value: str | int | float | None, what: str) -> int | None:
 # --------------------------------------------------------------------------------------------------
 
 _SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+_REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json holds a {type(cfg).__name__}, not an object of the model's facts.")
         model_type = cfg.get("model_type", "")
         if model_type not in _SUPPORTED_TYPES:
             raise ConfigError(
@@ -95,6 +98,11 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3", "linear"):
             raise ConfigError(f"Unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear).")
+        for key in _REQUIRED_SIZES:
+            value = cfg.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"config.json: {key} is {value!r}; a {model_type} checkpoint gives it as a positive "
+                                  f"integer (needed: {', '.join(_REQUIRED_SIZES)}).")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -153,16 +161,24 @@ class ModelSource:
     path: Path | None  # None: only config facts are known (dummy weights, no tokenizer)
 
 
+def read_json(file: Path, field: str) -> Any:
+    """A checkpoint's JSON file; one that cannot be read or parsed names itself and the flag that chose it."""
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{flag(field)}: {str(file)!r} could not be read as JSON ({e}).") from e
+
+
 def resolve_model(model: str, load_format: str) -> ModelSource:
     from pagedserve.builtin.known_models import KNOWN_MODELS
     from pagedserve.builtin.tiny import TINY_MODEL_NAMES, ensure_tiny_model
 
     if model in TINY_MODEL_NAMES:
         path = ensure_tiny_model()
-        return ModelSource(model, json.loads((path / "config.json").read_text()), path)
+        return ModelSource(model, read_json(path / "config.json", "model"), path)
     path = Path(os.path.expanduser(model))
     if (path / "config.json").is_file():
-        return ModelSource(model, json.loads((path / "config.json").read_text()), path)
+        return ModelSource(model, read_json(path / "config.json", "model"), path)
     if path.exists():
         raise ConfigError(f"{flag('model')}: folder {str(path)!r} has no config.json.")
     if model in KNOWN_MODELS:

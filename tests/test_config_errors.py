@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -61,6 +62,25 @@ def test_more_tensor_parallel_ranks_than_gpus_is_refused_before_any_rank_starts(
     msg = config_error(model="Qwen/Qwen3-8B", load_format="dummy", device="cuda", tensor_parallel_size=2)
     assert "(--tensor-parallel-size): 2 ranks need 2 GPUs, one each, but 1 is visible (CUDA_VISIBLE_DEVICES=3)" in msg
     assert EngineArgs(model="Qwen/Qwen3-8B", tensor_parallel_size=2).create_config(plan_for="cuda").model.num_layers
+
+
+def test_a_broken_checkpoint_folder_is_named_not_a_traceback(tmp_path):
+    """config.json that is not JSON, not an object, or lacks a size; an index that is not JSON or has no weight
+    map: each stops with the file or the key named."""
+    facts = dict(KNOWN_MODELS["Qwen/Qwen3-0.6B"])
+    for text, fragment in (("{", "config.json' could not be read as JSON"), ("[1]", "holds a list"),
+                           (json.dumps({**facts, "hidden_size": None}), "hidden_size is None"),
+                           (json.dumps({**facts, "num_hidden_layers": 0}), "num_hidden_layers is 0"),
+                           (json.dumps({**facts, "vocab_size": True}), "vocab_size is True")):
+        (tmp_path / "config.json").write_text(text)
+        assert fragment in config_error(model=str(tmp_path), load_format="dummy")
+    (tmp_path / "config.json").write_text(json.dumps({**facts, "num_hidden_layers": 1, "hidden_size": 64,
+                                                       "intermediate_size": 128, "vocab_size": 256}))
+    for text, fragment in (("{", "model.safetensors.index.json' could not be read as JSON"),
+                           ("{}", "has no weight_map")):
+        (tmp_path / "model.safetensors.index.json").write_text(text)
+        with pytest.raises(ConfigError, match=fragment):
+            LLM(str(tmp_path), kv_cache_memory="1MiB")
 
 
 def test_unknown_llm_kwarg_is_named():

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from pagedserve.config import ConfigError, EngineConfig, flag
+from pagedserve.config import ConfigError, EngineConfig, flag, read_json
 from pagedserve.memory import kv_heads_per_rank
 from pagedserve.model.attention import AttentionBackend
 from pagedserve.model.decoder import PACKED_WEIGHTS, DecoderForCausalLM
@@ -52,7 +51,9 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
 def _checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index, "model").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{flag('model')}: {str(index)!r} has no weight_map (tensor name -> shard file).")
         return [path / name for name in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
