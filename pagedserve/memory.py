@@ -167,8 +167,8 @@ _SMALLER = "use a smaller --dtype, shard with --tensor-parallel-size, or pick a 
 
 def weights_over_budget(weights: int, utilization: float, device_total: int) -> str:
     """Why weights larger than the budget cannot start, and what to change."""
-    need = weights / device_total
-    return (f"Model weights need {fmt_bytes(weights)} but the budget is only {fmt_bytes(int(device_total * utilization))} "
+    need, budget = weights / device_total, int(device_total * utilization)
+    return (f"Model weights need {fmt_bytes(weights)} but the budget is only {fmt_bytes(budget)} "
             f"(--gpu-memory-utilization {utilization} of {fmt_bytes(device_total)}). The weights alone need a "
             f"utilization above {need:.2f}" + (" (more than the device has)" if need >= 1 else "") + f": {_SMALLER}.")
 

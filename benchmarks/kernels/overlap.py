@@ -178,8 +178,8 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto,fp8", help="comma-separated")
     p.add_argument("--layers", type=positive_int, default=4, help="layers run (each its own weights and cache)")
     p.add_argument("--sm-carveout", type=positives, default=[],
-                   help="comma-separated SM counts the prompts' GEMMs leave to the decodes, each two arms: the decodes' "
-                        "GEMMs on every SM or held to those (every arm then on cuBLASLt)")
+                   help="comma-separated SM counts the prompts' GEMMs leave to the decodes, each two arms: the "
+                        "decodes' GEMMs on every SM or held to those (every arm then on cuBLASLt)")
     ns = p.parse_args()
     carveouts = tuple(ns.sm_carveout)
     if carveouts:
