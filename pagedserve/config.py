@@ -161,12 +161,14 @@ class ModelSource:
     path: Path | None  # None: only config facts are known (dummy weights, no tokenizer)
 
 
-def read_json(file: Path, field: str) -> Any:
-    """A checkpoint's JSON file; one that cannot be read or parsed names itself and the flag that chose it."""
+def read_json(file: Path, field: str, remedy: str = "") -> Any:
+    """A checkpoint's JSON file; one that cannot be read or parsed names itself and the flag that chose it (and
+    ``remedy``, what to do about it)."""
     try:
         return json.loads(file.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{flag(field)}: {str(file)!r} could not be read as JSON ({e}).") from e
+        raise ConfigError(f"{flag(field)}: {str(file)!r} could not be read as JSON ({e})."
+                          + (f" {remedy}" if remedy else "")) from e
 
 
 def resolve_model(model: str, load_format: str) -> ModelSource:
@@ -218,11 +220,7 @@ class GenerationDefaults:
             folder = source.path if choice == "auto" else Path(os.path.expanduser(choice))
             file = folder / "generation_config.json"
             if file.is_file():
-                try:
-                    cfg = json.loads(file.read_text())
-                except (OSError, ValueError) as e:
-                    raise ConfigError(f"{flag('generation_config')}: {str(file)!r} could not be read as JSON ({e}). "
-                                      f"Fix it, or pass --generation-config vllm to ignore it.") from e
+                cfg = read_json(file, "generation_config", "Fix it, or pass --generation-config vllm to ignore it.")
                 where.append(str(file))
             elif choice != "auto":
                 raise ConfigError(f"{flag('generation_config')}: {str(folder)!r} has no generation_config.json (or "

@@ -134,8 +134,8 @@ class MixedStep:
         side.wait_stream(main)
         with torch.cuda.stream(side), sm_carveout(carveout):
             prompts = self.forward("prompts")
-        sms = torch.cuda.get_device_properties(main.device).multi_processor_count
-        with sm_carveout(sms - carveout if split else None):
+        held = torch.cuda.get_device_properties(main.device).multi_processor_count - carveout if split else None
+        with sm_carveout(held):
             decodes = self.forward("decodes")
         main.wait_stream(side)
         return torch.cat([decodes, prompts])
