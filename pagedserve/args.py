@@ -76,14 +76,26 @@ def non_negative_int(value: str) -> int:
     return int(value)
 
 
+def _finite(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return math.nan
+
+
 def positive_float(value: str) -> float:
     """As ``positive_int``, for a size such as GiB: a finite number above 0."""
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
+    number = _finite(value)
     if not (math.isfinite(number) and number > 0):
         raise argparse.ArgumentTypeError(f"{value!r}: must be a number above 0")
+    return number
+
+
+def non_negative_float(value: str) -> float:
+    """As ``positive_float``, for a setting where 0 means none (seconds to wait, a sampling temperature)."""
+    number = _finite(value)
+    if not (math.isfinite(number) and number >= 0):
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a number of at least 0")
     return number
 
 

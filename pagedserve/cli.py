@@ -11,7 +11,8 @@ import dataclasses
 import sys
 import time
 
-from pagedserve.args import Parser, add_engine_args, engine_args_from, setup_logging
+from pagedserve.args import (Parser, add_engine_args, engine_args_from, non_negative_float, positive_int,
+                             setup_logging)
 from pagedserve.errors import reported
 
 DEFAULT_PROMPTS = [
@@ -62,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="Generate completions offline (default: the built-in tiny model).")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="A prompt (repeatable). Default: four sample prompts.")
-    gen.add_argument("--max-tokens", type=int, default=None,
+    gen.add_argument("--max-tokens", type=positive_int, default=None,
                      help="Tokens to generate per prompt (default: the model's max_new_tokens, else 32).")
-    gen.add_argument("--temperature", type=float, default=None,
+    gen.add_argument("--temperature", type=non_negative_float, default=None,
                      help="Sampling temperature (default: the model's, else 0: greedy).")
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")

@@ -284,11 +284,11 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--replay-arrivals", action="store_true",
                    help="With --dataset-name lengths: send the first --num-prompts recorded requests at their "
                         "recorded times (offsets from the first), instead of at --request-rate.")
-    s.add_argument("--replay-speed", type=float, default=1.0,
+    s.add_argument("--replay-speed", type=positive_float, default=1.0,
                    help="With --replay-arrivals: how much faster than recorded (2: the gaps halved).")
     s.add_argument("--max-concurrency", type=positive_int, default=None, help="Most requests in flight from this client.")
     s.add_argument("--ignore-eos", action="store_true", help="Always on for the random dataset.")
-    s.add_argument("--num-warmups", type=int, default=1,
+    s.add_argument("--num-warmups", type=non_negative_int, default=1,
                    help="Unmeasured requests before the run (the first prompt with its halves swapped, so "
                         "no measured prompt finds it cached).")
     s.add_argument("--percentile-metrics", default="ttft,tpot,itl")

@@ -65,7 +65,7 @@ class Server(uvicorn.Server):
 
 
 def add_serve_parser(sub) -> None:
-    from pagedserve.args import add_engine_args
+    from pagedserve.args import add_engine_args, non_negative_float
     from pagedserve.server.tools import TOOL_CALL_PARSERS
 
     p = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
@@ -85,7 +85,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--profiles", default=None,
                    help="A degradation profiles file (YAML, as `pagedserve tune` writes): start in normal, "
                         "switch to protect when a trigger fires and back when it clears.")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+    s.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="On SIGTERM, seconds to let in-flight requests finish before exiting.")
     s.add_argument("--chat-template", default=None,
                    help="A chat template (a file, or the template itself) used instead of the tokenizer's.")
@@ -220,8 +220,6 @@ def build_server(ns: argparse.Namespace, worker=None):
         raise ConfigError(f"--stream-interval {ns.stream_interval}: give 1 (a frame a token) or more tokens a frame.")
     if ns.max_stored_responses < 0:
         raise ConfigError("--max-stored-responses must be zero (keep none) or more.")
-    if ns.shutdown_timeout < 0:
-        raise ConfigError("--shutdown-timeout must be zero or more seconds.")
     if ns.api_key is not None and not ns.api_key.strip():
         raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without one.")
     if ns.served_model_name is not None and not all(name.strip() for name in ns.served_model_name):
