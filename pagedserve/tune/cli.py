@@ -130,7 +130,7 @@ def cmd_tune(ns: argparse.Namespace) -> None:
 
 
 def add_tune_parsers(sub) -> None:
-    from pagedserve.args import add_engine_args, positive_float, positive_int
+    from pagedserve.args import add_engine_args, non_negative_float, positive_float, positive_int
     from pagedserve.tune.plan import GPU_PRESETS
 
     p = sub.add_parser("plan", help="The memory budget of a configuration, without a GPU.")
@@ -150,12 +150,13 @@ def add_tune_parsers(sub) -> None:
 
     d = sub.add_parser("diagnose", help="Read a running server's /metrics and name what limits it.")
     d.add_argument("--url", required=True, help="Base URL of the server, e.g. http://127.0.0.1:8000")
-    d.add_argument("--window", type=positive_float, default=10.0, help="Seconds to watch.")
+    d.add_argument("--window", type=non_negative_float, default=10.0,
+                   help="Seconds to watch (0: one scrape).")
     d.add_argument("--interval", type=positive_float, default=1.0, help="Seconds between scrapes.")
-    d.add_argument("--max-num-seqs", type=positive_int, default=None,
+    d.add_argument("--max-num-seqs", type=int, default=None,
                    help="The server's --max-num-seqs, to tell queueing at the cap from the token budget "
                         "(default: what a pagedserve server reports in force; give it for vLLM).")
-    d.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+    d.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="The server's --max-num-batched-tokens, to show how full its steps run (default: as "
                         "for --max-num-seqs).")
     d.add_argument("--json", action="store_true")
