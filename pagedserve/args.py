@@ -10,8 +10,8 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
+import tempfile
 import typing
 from pathlib import Path
 
@@ -107,8 +107,10 @@ def output_dir(path: str | Path, flag: str, given: str | None = None) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"{flag} {given}: the folder {folder} cannot be created ({e.strerror}).") from None
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(f"{flag} {given}: the folder {folder} is not writable.")
+    try:  # a file made and removed: permission bits alone say nothing to root, or of /proc and read-only mounts
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise ConfigError(f"{flag} {given}: the folder {folder} is not writable ({e.strerror}).") from None
     return folder
 
 

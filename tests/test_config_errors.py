@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,6 +168,11 @@ def test_an_output_file_that_cannot_be_written_fails_before_the_work(tmp_path, c
             main([*command, flag, str(bad)])
         err = capsys.readouterr().err
         assert f"{flag} {bad}" in err and why in err and "Traceback" not in err
+    if Path("/proc/self").is_dir():  # a folder that exists and takes no new file, whatever the user's rights
+        with pytest.raises(SystemExit):
+            main([*command, flag, "/proc/pagedserve.json"])
+        err = capsys.readouterr().err
+        assert f"{flag} /proc/pagedserve.json: the folder /proc is not writable" in err and "Traceback" not in err
 
 
 def test_a_result_folder_that_cannot_be_made_fails_before_the_work(tmp_path, capsys):
