@@ -229,6 +229,19 @@ def test_logit_bias_steers_sampling_and_leaves_logprobs_raw(llm):
         llm.generate(["Hello"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
 
 
+def test_generate_names_what_is_wrong_with_its_arguments(llm):
+    """Arguments of the wrong kind are named as such, not met later as an error from inside the engine."""
+    with pytest.raises(TypeError, match="prompts: give a string, token ids, a prompt dict or a list of them, not "
+                                        "NoneType"):
+        llm.generate(None, use_tqdm=False)
+    for bad in ("greedy", [SamplingParams(), {"max_tokens": 3}]):
+        with pytest.raises(TypeError, match="sampling_params: give a SamplingParams or a list of them"):
+            llm.generate(["a", "b"] if isinstance(bad, list) else ["a"], bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate(["a"], [SamplingParams(max_tokens=1)] * 2, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_too_long_prompt_is_rejected_with_both_numbers(llm):
     with pytest.raises(InvalidRequestError) as e:
         llm.generate([[5] * 250], SamplingParams(max_tokens=10), use_tqdm=False)

@@ -50,6 +50,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                   and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: give a string, token ids, a prompt dict or a list of them, not "
+                            f"{type(prompts).__name__}.")
         params = self._per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts.")
@@ -80,6 +83,10 @@ class LLM:
             return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
+        if not (isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str)
+                and all(isinstance(p, SamplingParams) for p in sampling_params)):
+            raise TypeError(f"sampling_params: give a SamplingParams or a list of them, one a prompt, not "
+                            f"{sampling_params!r:.80}.")
         if len(sampling_params) != n:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts.")
         return list(sampling_params)
