@@ -172,9 +172,25 @@ def flags_from_file(path: str, parser: argparse.ArgumentParser) -> dict:
         raise ConfigError(f"--config {path}: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values.")
-    known = {a.dest for a in parser._actions}
+    actions = {a.dest: a for a in parser._actions}
     values = {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(values) - known - {"config"})
+    unknown = sorted(set(values) - set(actions) - {"config"})
     if unknown:
         raise ConfigError(f"--config {path}: unknown flag(s) {', '.join(unknown)} for `pagedserve {parser.prog.split()[-1]}`.")
+    for dest, value in values.items():
+        values[dest] = _typed(actions[dest], value, path) if dest in actions else value
     return values
+
+
+def _typed(action: argparse.Action, value, path: str):
+    """A --config value held to its flag's type and choices, as on the command line (argparse applies neither to
+    defaults that are not strings)."""
+    flag = action.option_strings[0] if action.option_strings else action.dest
+    if action.type not in (None, str) and isinstance(value, (str, int, float)):  # bool is an int: refused as one
+        try:
+            value = action.type(str(value))
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            raise ConfigError(f"--config {path}: {flag}: {value!r} is not valid here ({e}).") from None
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"--config {path}: {flag}: {value!r} is not one of {', '.join(map(str, action.choices))}.")
+    return value

@@ -52,7 +52,7 @@ def test_vllm_flags_that_cannot_apply_say_why(capsys, flag, fragment):
     assert e.value.code == 2 and fragment in capsys.readouterr().err
 
 
-def test_vllm_server_flags_and_a_config_file(tmp_path):
+def test_vllm_server_flags_and_a_config_file(tmp_path, capsys):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("max-num-seqs: 6\nmax_num_batched_tokens: 96\nserved-model-name: [from-file]\n")
     flags = (*ENGINE, "--config", str(cfg), "--max-num-seqs", "5", "--disable-log-requests", "--enable-log-requests",
@@ -66,6 +66,15 @@ def test_vllm_server_flags_and_a_config_file(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["serve", "tiny", "--config", str(cfg)])
     assert e.value.code == 2
+    # a file's values meet the flags' own types, as typed values do
+    for line, words in (("shutdown-timeout: -1", "--shutdown-timeout: -1 is not valid here ('-1': must be a number of "
+                                                 "at least 0)"),
+                        ("port: eighty", "--port: 'eighty' is not valid here"),
+                        ("max-num-seqs: true", "--max-num-seqs: True is not valid here")):
+        cfg.write_text(line + "\n")
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "tiny", "--config", str(cfg)])
+        assert e.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_parallel_sampling_with_the_openai_sdk(server):
