@@ -330,6 +330,21 @@ def test_bench_throughput_takes_vllm_s_input_and_output_len(tmp_path):
     assert result["total_prompt_tokens"] == 4 * 24 and result["total_output_tokens"] == 4 * 6
 
 
+def test_offline_benchmarks_name_the_length_flags_when_requests_outgrow_the_context(capsys):
+    """A request longer than --max-model-len stops the offline benchmarks before any work, naming their own length
+    flags (a request's error would tell a benchmark's user to shorten max_tokens, which no flag of theirs sets)."""
+    engine = ["--model", "tiny", "--kv-cache-memory", "16MiB", "--max-model-len", "64"]
+    runs = [(["bench", "throughput", *engine, "--num-prompts", "3", "--input-len", "60", "--output-len", "8"],
+             "3 of the 3 requests need more than --max-model-len 64 tokens (the longest: 60 in the prompt + 8 out)"),
+            (["bench", "latency", *engine, "--input-len", "60", "--output-len", "8"],
+             "--input-len 60 + --output-len 8 = 68 tokens, more than --max-model-len 64")]
+    for argv, words in runs:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and "raise --max-model-len" in err
+
+
 def test_offline_floors_price_each_term_by_hand():
     """The throughput benchmark's floors at a GPU's peaks: weights read or tokens computed a step, whichever is
     longer; the decodes' contexts (a request of 2 in / 3 out decodes over 3 and 4 tokens); the prompts' attention.

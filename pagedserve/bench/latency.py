@@ -37,6 +37,10 @@ def run_latency(llm, input_len: int, output_len: int, batch_size: int, num_iters
 
     if min(input_len, output_len, batch_size, num_iters) < 1 or num_iters_warmup < 0:
         raise ConfigError("--input-len, --output-len, --batch-size and --num-iters must be at least 1.")
+    limit = llm.engine.config.max_model_len
+    if input_len + output_len > limit:
+        raise ConfigError(f"--input-len {input_len} + --output-len {output_len} = {input_len + output_len} tokens, "
+                          f"more than --max-model-len {limit}: lower them or raise --max-model-len.")
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=output_len, ignore_eos=True)
     engine = llm.engine

@@ -5,12 +5,20 @@ from __future__ import annotations
 import time
 
 from pagedserve.bench.datasets import SampleRequest
+from pagedserve.errors import ConfigError
 
 
 def run_throughput(llm, samples: list[SampleRequest], use_tqdm: bool = True) -> dict:
     """All requests at once, ``ignore_eos`` so each produces exactly its output length (as vLLM)."""
     from pagedserve import SamplingParams
 
+    limit = llm.engine.config.max_model_len
+    over = [s for s in samples if s.prompt_len + s.expected_output_len > limit]
+    if over:
+        worst = max(over, key=lambda s: s.prompt_len + s.expected_output_len)
+        raise ConfigError(f"{len(over)} of the {len(samples)} requests need more than --max-model-len {limit} tokens "
+                          f"(the longest: {worst.prompt_len} in the prompt + {worst.expected_output_len} out): lower "
+                          f"their lengths (--input-len / --output-len for random prompts) or raise --max-model-len.")
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=s.expected_output_len, ignore_eos=True)
               for s in samples]
     prompts = [s.prompt for s in samples]
