@@ -86,10 +86,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _server_flag_hint(parser: argparse.ArgumentParser, ns: argparse.Namespace, rest: list[str]) -> str:
+    """Where server flags go for the benchmarks that talk to a server: they are the likeliest unknown ones there."""
+    command = getattr(ns, "bench_command", None)
+    if command not in ("serve", "sweep"):
+        return ""
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    flags = {s for a in serve._actions for s in a.option_strings}
+    given = [a.split("=")[0] for a in rest if a.split("=")[0] in flags]
+    if not given:
+        return ""
+    what = f"{', '.join(given)} {'is a server flag' if len(given) == 1 else 'are server flags'}"
+    if command == "sweep":
+        return f" ({what}; `bench sweep` starts its servers with --serve-args, e.g. --serve-args '{' '.join(rest)}')"
+    return f" ({what}; `bench serve` is a client: give {'it' if len(given) == 1 else 'them'} to `pagedserve serve`)"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, rest = parser.parse_known_args(argv)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}{_server_flag_hint(parser, ns, rest)}")
     if ns.command is None:
         parser.print_help()
         return

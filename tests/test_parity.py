@@ -52,6 +52,21 @@ def test_vllm_flags_that_cannot_apply_say_why(capsys, flag, fragment):
     assert e.value.code == 2 and fragment in capsys.readouterr().err
 
 
+def test_server_flags_given_to_a_benchmark_say_where_they_go(capsys):
+    """vLLM's users pass engine flags where they would on `vllm serve`; the benchmarks that talk to a server say
+    where those go instead of only that they are unknown."""
+    cases = [(["bench", "sweep", "--model", "tiny", "--kv-cache-dtype", "fp8", "--max-num-seqs=8"],
+              "--kv-cache-dtype, --max-num-seqs are server flags; `bench sweep` starts its servers with --serve-args, "
+              "e.g. --serve-args '--kv-cache-dtype fp8 --max-num-seqs=8'"),
+             (["bench", "serve", "--max-num-seqs", "8"],
+              "--max-num-seqs is a server flag; `bench serve` is a client: give it to `pagedserve serve`"),
+             (["bench", "sweep", "--bogus"], "unrecognized arguments: --bogus\n")]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_vllm_server_flags_and_a_config_file(tmp_path, capsys):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("max-num-seqs: 6\nmax_num_batched_tokens: 96\nserved-model-name: [from-file]\n")
