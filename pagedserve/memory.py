@@ -169,8 +169,9 @@ def weights_over_budget(weights: int, utilization: float, device_total: int) -> 
     """Why weights larger than the budget cannot start, and what to change."""
     need, budget = weights / device_total, int(device_total * utilization)
     return (f"Model weights need {fmt_bytes(weights)} but the budget is only {fmt_bytes(budget)} "
-            f"(--gpu-memory-utilization {utilization} of {fmt_bytes(device_total)}). The weights alone need a "
-            f"utilization above {need:.2f}" + (" (more than the device has)" if need >= 1 else "") + f": {_SMALLER}.")
+            f"(--gpu-memory-utilization {utilization} of {fmt_bytes(device_total)}). "
+            + (f"The weights alone need a utilization above {need:.2f}" if need < 1 else
+               "They are larger than the whole device") + f": {_SMALLER}.")
 
 
 def check_free_memory(free: int, total: int, config) -> None:

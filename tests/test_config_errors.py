@@ -123,6 +123,9 @@ def test_weights_that_cannot_fit_fail_before_they_load(monkeypatch):
     with pytest.raises(ConfigError) as e:
         check_free_memory(free=15 * GiB, total=16 * GiB, config=gpu)
     assert "budget is only 14.40 GiB" in str(e.value) and "--tensor-parallel-size" in str(e.value)
+    assert "need a utilization above 0.95" in str(e.value)
+    with pytest.raises(ConfigError, match="They are larger than the whole device: use a smaller --dtype"):
+        check_free_memory(free=12 * GiB, total=12 * GiB, config=gpu)
     check_free_memory(free=40 * GiB, total=40 * GiB, config=gpu)
     sized = dataclasses.replace(qwen, kv_cache_memory="1GiB").create_config(plan_for="cuda")
     with pytest.raises(ConfigError, match="the device has 15.00 GiB free"):
