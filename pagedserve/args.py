@@ -177,9 +177,7 @@ def flags_from_file(path: str, parser: argparse.ArgumentParser) -> dict:
     unknown = sorted(set(values) - set(actions) - {"config"})
     if unknown:
         raise ConfigError(f"--config {path}: unknown flag(s) {', '.join(unknown)} for `pagedserve {parser.prog.split()[-1]}`.")
-    for dest, value in values.items():
-        values[dest] = _typed(actions[dest], value, path) if dest in actions else value
-    return values
+    return {dest: _typed(actions[dest], value, path) for dest, value in values.items()}
 
 
 def _typed(action: argparse.Action, value, path: str):
