@@ -93,7 +93,7 @@ def _server_flag_hint(parser: argparse.ArgumentParser, ns: argparse.Namespace, r
         return ""
     serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
     flags = {s for a in serve._actions for s in a.option_strings}
-    given = [a.split("=")[0] for a in rest if a.split("=")[0] in flags]
+    given = [name for name in (a.split("=")[0] for a in rest) if name in flags]
     if not given:
         return ""
     what = f"{', '.join(given)} {'is a server flag' if len(given) == 1 else 'are server flags'}"
