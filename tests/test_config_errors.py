@@ -229,13 +229,20 @@ def test_plan_and_the_simulator_refuse_a_length_or_gpu_size_that_means_nothing(c
 
 def test_generate_diagnose_and_serve_settings_are_checked_as_they_are_parsed(capsys):
     """A token count of 0 no longer means "the default", a negative temperature or shutdown wait no longer reaches a
-    model load, and an interval of 0 no longer makes diagnose scrape in a busy loop."""
+    model load, and an interval of 0 no longer makes diagnose scrape in a busy loop; every count is refused by the
+    parser, so a --config file's value meets the same rule."""
     generate, diagnose = ["generate", "tiny"], ["diagnose", "--url", "http://127.0.0.1:9"]
     serve, bench = ["serve", "tiny"], ["bench", "serve", "--base-url", "http://127.0.0.1:9"]
+    sweep, quality = ["bench", "sweep", "--model", "tiny"], ["bench", "quality", "tiny"]
     whole, above, zero = "a whole number of at least 1", "a number above 0", "a number of at least 0"
     cases = [(generate, "--max-tokens", "0", whole), (generate, "--temperature", "-0.5", zero),
              (serve, "--shutdown-timeout", "-1", zero), (bench, "--replay-speed", "-2", above),
-             (bench, "--num-warmups", "-1", "a whole number of at least 0")]
+             (bench, "--num-warmups", "-1", "a whole number of at least 0"),
+             (serve, "--stream-interval", "0", whole), (serve, "--max-num-queued-reqs", "0", whole),
+             (serve, "--max-num-queued-tokens", "-5", whole),
+             (serve, "--max-stored-responses", "-1", "a whole number of at least 0"),
+             (sweep, "--repeats", "0", whole), (sweep, "--prompts-per-rung", "0", whole),
+             (quality, "--num-prompts", "0", whole), (quality, "--max-tokens", "0", whole)]
     cases += [(diagnose, "--interval", bad, above) for bad in ("0", "-5", "nan")]
     cases += [(diagnose, "--window", bad, zero) for bad in ("-5", "nan")]
     for command, flag, bad, rule in cases:

@@ -201,9 +201,9 @@ def test_token_ids_beside_the_text_when_asked(server, client):
     assert not hasattr(client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0], "token_ids")
 
 
-def test_a_stream_interval_sends_several_tokens_a_frame(capsys):
+def test_a_stream_interval_sends_several_tokens_a_frame():
     """--stream-interval 4: the first token in a frame of its own, then frames of at least four tokens (the last
-    may hold fewer), the same tokens and text as a call that is not streamed; a bad interval is refused by name."""
+    may hold fewer), the same tokens and text as a call that is not streamed."""
     with running_server("--stream-interval", "4") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         ask = dict(model="tiny", prompt="Hello", max_tokens=18, temperature=0,
@@ -214,9 +214,6 @@ def test_a_stream_interval_sends_several_tokens_a_frame(capsys):
         assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 18 and len(frames) <= 6, sizes
         assert [t for f in frames for t in f.token_ids] == whole.token_ids
         assert "".join(f.text for f in frames) == whole.text
-    with pytest.raises(SystemExit) as e:
-        main(["serve", "tiny", "--stream-interval", "0"])
-    assert e.value.code == 2 and "--stream-interval 0" in capsys.readouterr().err
 
 
 def test_stop_strings_are_never_streamed(client):

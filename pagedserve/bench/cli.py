@@ -218,12 +218,12 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
                      help="Or replay a recording (--dataset-name lengths) at these multiples of its arrival rate, "
                           "e.g. 1,2,4,8: how many times today's traffic the server takes before the knee.")
     lad.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrivals for --request-rates.")
-    lad.add_argument("--prompts-per-rung", type=int, default=None,
+    lad.add_argument("--prompts-per-rung", type=positive_int, default=None,
                      help="Measured prompts per rung (default: max(16, 4C), max(16, 10R) for rates, the whole "
                           "recording for replay speeds: its first N requests with this flag).")
     lad.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                      help="One unmeasured round of requests at each rung's load first.")
-    lad.add_argument("--repeats", type=int, default=1, help="Measure each rung this many times (medians).")
+    lad.add_argument("--repeats", type=positive_int, default=1, help="Measure each rung this many times (medians).")
     lad.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                      help="POST /reset_prefix_cache before each rung, where the server has it.")
     lad.add_argument("--ignore-eos", action="store_true", help="Always on for the random dataset.")
@@ -341,8 +341,8 @@ def add_bench_parser(sub) -> None:
     g = q.add_argument_group("quality check")
     g.add_argument("--reference-kv-cache-dtype", default="auto", help="The cache to compare against (auto: the "
                                                                       "model's dtype).")
-    g.add_argument("--num-prompts", type=int, default=16)
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--num-prompts", type=positive_int, default=16)
+    g.add_argument("--max-tokens", type=positive_int, default=64)
     g.add_argument("--top-logprobs", type=int, default=5)
     g.add_argument("--min-agreement", type=float, default=0.90,
                    help="Pass needs at least this share of each completion identical before the first divergence.")

@@ -65,7 +65,7 @@ class Server(uvicorn.Server):
 
 
 def add_serve_parser(sub) -> None:
-    from pagedserve.args import add_engine_args, non_negative_float
+    from pagedserve.args import add_engine_args, non_negative_float, non_negative_int, positive_int
     from pagedserve.server.tools import TOOL_CALL_PARSERS
 
     p = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
@@ -77,9 +77,9 @@ def add_serve_parser(sub) -> None:
                    help="Name(s) clients use in the 'model' field (default: the model argument).")
     s.add_argument("--api-key", default=None,
                    help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics.")
-    s.add_argument("--max-num-queued-reqs", type=int, default=None,
+    s.add_argument("--max-num-queued-reqs", type=positive_int, default=None,
                    help="Most requests in flight (waiting + running); more get HTTP 503 with Retry-After.")
-    s.add_argument("--max-num-queued-tokens", type=int, default=None,
+    s.add_argument("--max-num-queued-tokens", type=positive_int, default=None,
                    help="Most prompt tokens of requests not yet started (waiting or prefilling); more get 503. "
                         "vLLM's advice: the TTFT target times the measured prefill throughput.")
     s.add_argument("--profiles", default=None,
@@ -116,7 +116,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="Logprobs name tokens as \"token_id:N\" instead of their text (exact for tokens that are "
                         "part of a character); a request's return_tokens_as_token_ids overrides it.")
-    s.add_argument("--stream-interval", type=int, default=1, metavar="N",
+    s.add_argument("--stream-interval", type=positive_int, default=1, metavar="N",
                    help="Streamed responses send a frame every N new tokens (the first token and the end at once): "
                         "fewer frames for the server to write at many requests in flight, coarser streams. "
                         "Default 1: a frame a token.")
@@ -129,7 +129,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--root-path", default="",
                    help="The path prefix a reverse proxy serves this server under and strips before forwarding "
                         "(e.g. /llm): the API docs and their schema name their URLs with it.")
-    s.add_argument("--max-stored-responses", type=int, default=0, metavar="N",
+    s.add_argument("--max-stored-responses", type=non_negative_int, default=0, metavar="N",
                    help="Keep the last N responses of /v1/responses in memory (0: none, the default), to be read "
                         "back (GET /v1/responses/ID) and continued with previous_response_id.")
     s.add_argument("--config", default=None, help="A YAML file of flags (names with - or _), as vLLM's; flags "
@@ -202,9 +202,6 @@ def build_server(ns: argparse.Namespace, worker=None):
     from pagedserve.server.state import ServerSettings
     from pagedserve.server.async_engine import AsyncEngine
 
-    for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
-        if getattr(ns, name) is not None and getattr(ns, name) < 1:
-            raise ConfigError(f"{option(name)} must be at least 1.")
     profiles = None
     if ns.profiles is not None:
         from pagedserve.tune.profiles import load_profiles
@@ -216,10 +213,6 @@ def build_server(ns: argparse.Namespace, worker=None):
         path = getattr(ns, name)
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{option(name)} {path}: no such file.")
-    if ns.stream_interval < 1:
-        raise ConfigError(f"--stream-interval {ns.stream_interval}: give 1 (a frame a token) or more tokens a frame.")
-    if ns.max_stored_responses < 0:
-        raise ConfigError("--max-stored-responses must be zero (keep none) or more.")
     if ns.api_key is not None and not ns.api_key.strip():
         raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve without one.")
     if ns.served_model_name is not None and not all(name.strip() for name in ns.served_model_name):
