@@ -255,12 +255,28 @@ def test_generate_diagnose_and_serve_settings_are_checked_as_they_are_parsed(cap
 def test_bench_serve_refuses_a_rate_or_burstiness_that_is_not_a_number_above_zero(capsys):
     """nan passes a `<= 0` check; refused before any request is sent, as 0 and a negative are (inf is a rate:
     every request at once, not a burstiness)."""
-    for flag, bad in (("--request-rate", "nan"), ("--request-rate", "0"), ("--burstiness", "nan"),
-                      ("--burstiness", "inf"), ("--burstiness", "-1")):
+    for flag, bad in (("--request-rate", "nan"), ("--request-rate", "0")):
         with pytest.raises(SystemExit) as e:
             main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "tiny", flag, bad])
         err = capsys.readouterr().err
         assert e.value.code == 2 and "--request-rate must be above 0" in err and "Warm-up" not in err
+    serve = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "tiny"]
+    for command in (serve, ["bench", "sweep", "--model", "tiny", "--request-rates", "1,2"]):
+        for bad in ("nan", "inf", "-1"):  # the ladder's burstiness too, which took nan and ran
+            with pytest.raises(SystemExit) as e:
+                main([*command, "--burstiness", bad])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"argument --burstiness: '{bad}': must be a number above 0" in err, err
+
+
+def test_knee_settings_refuse_a_failure_rate_that_would_place_or_hide_every_knee(capsys):
+    """A negative --knee-max-failure-rate put the knee at the first rung; nan (every comparison false) or 1 never
+    let failures place one: refused before the server starts."""
+    for bad in ("-0.1", "nan", "1"):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "sweep", "--model", "tiny", "--knee-max-failure-rate", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--knee-max-failure-rate in [0, 1)" in err and "Starting" not in err, err
 
 
 def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(capsys):

@@ -97,8 +97,10 @@ class KneeSettings:
         unknown = set(self.latency_metrics) - set(SLO_METRICS)
         if unknown:
             raise ConfigError(f"--knee-latency-metrics: unknown {sorted(unknown)}; choose from {', '.join(SLO_METRICS)}.")
-        if not self.min_gain >= 0 or not self.latency_factor > 1 or not 0 < self.kv_usage <= 1:
-            raise ConfigError("--knee-min-gain must be >= 0, --knee-latency-factor > 1 and --knee-kv-usage in (0, 1].")
+        if (not self.min_gain >= 0 or not self.latency_factor > 1 or not 0 < self.kv_usage <= 1
+                or not 0 <= self.max_failure_rate < 1):  # written so that nan fails each
+            raise ConfigError("--knee-min-gain must be >= 0, --knee-latency-factor > 1, --knee-kv-usage in (0, 1] "
+                              "and --knee-max-failure-rate in [0, 1).")
 
 
 @dataclass
