@@ -99,6 +99,14 @@ def non_negative_float(value: str) -> float:
     return number
 
 
+def fraction(value: str) -> float:
+    """As ``positive_float``, for a share of a whole: a number in [0, 1)."""
+    number = _finite(value)
+    if not 0 <= number < 1:  # nan fails it too
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a number in [0, 1)")
+    return number
+
+
 def output_dir(path: str | Path, flag: str, given: str | None = None) -> Path:
     """A folder a command writes into when its work is done, created before the work starts: one that cannot
     be fails now, naming ``flag`` (and ``given``, what the user gave it), not after minutes of work."""

@@ -230,7 +230,7 @@ def test_plan_and_the_simulator_refuse_a_length_or_gpu_size_that_means_nothing(c
 def test_generate_diagnose_and_serve_settings_are_checked_as_they_are_parsed(capsys):
     """A token count of 0 no longer means "the default", a negative temperature or shutdown wait no longer reaches a
     model load, and an interval of 0 no longer makes diagnose scrape in a busy loop; every count is refused by the
-    parser, so a --config file's value meets the same rule."""
+    parser, so a --config file's value meets the same rule, and a sweep no longer starts its server first."""
     generate, diagnose = ["generate", "tiny"], ["diagnose", "--url", "http://127.0.0.1:9"]
     serve, bench = ["serve", "tiny"], ["bench", "serve", "--base-url", "http://127.0.0.1:9"]
     sweep, quality = ["bench", "sweep", "--model", "tiny"], ["bench", "quality", "tiny"]
@@ -242,7 +242,9 @@ def test_generate_diagnose_and_serve_settings_are_checked_as_they_are_parsed(cap
              (serve, "--max-num-queued-tokens", "-5", whole),
              (serve, "--max-stored-responses", "-1", "a whole number of at least 0"),
              (sweep, "--repeats", "0", whole), (sweep, "--prompts-per-rung", "0", whole),
-             (quality, "--num-prompts", "0", whole), (quality, "--max-tokens", "0", whole)]
+             (quality, "--num-prompts", "0", whole), (quality, "--max-tokens", "0", whole),
+             (sweep, "--server-start-timeout", "-1", above), (sweep, "--server-start-timeout", "nan", above)]
+    cases += [(c, "--random-range-ratio", bad, "a number in [0, 1)") for c in (sweep, bench) for bad in ("1.5", "nan")]
     cases += [(diagnose, "--interval", bad, above) for bad in ("0", "-5", "nan")]
     cases += [(diagnose, "--window", bad, zero) for bad in ("-5", "nan")]
     for command, flag, bad, rule in cases:

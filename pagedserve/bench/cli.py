@@ -9,7 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from pagedserve.args import non_negative_int, positive_float, positive_int
+from pagedserve.args import fraction, non_negative_int, positive_float, positive_int
 from pagedserve.errors import ConfigError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the APIs bench serve and sweep drive
@@ -31,7 +31,7 @@ def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: boo
     d.add_argument("--random-input-len", *(("--input-len",) if short_lens else ()), type=positive_int, default=1024)
     d.add_argument("--random-output-len", *(("--output-len",) if short_lens else ()), type=positive_int,
                    default=128)
-    d.add_argument("--random-range-ratio", type=float, default=0.0,
+    d.add_argument("--random-range-ratio", type=fraction, default=0.0,
                    help="Lengths uniform in [L(1-r), L(1+r)].")
     d.add_argument("--random-prefix-len", type=non_negative_int, default=0, help="A shared prefix of this many tokens.")
     d.add_argument("--sharegpt-output-len", type=positive_int, default=None)
@@ -205,7 +205,7 @@ def cmd_bench_quality(ns: argparse.Namespace) -> None:
 def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
     """The workload, the ladder and the knee: flags `bench sweep` and `tune` share (``client``: the sweep's
     own --seed and --tokenizer; tune has the engine's)."""
-    p.add_argument("--server-start-timeout", type=float, default=900.0, help="Seconds to wait for /health.")
+    p.add_argument("--server-start-timeout", type=positive_float, default=900.0, help="Seconds to wait for /health.")
     p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
     _add_dataset_args(p, client=client, num_prompts=False)
     lad = p.add_argument_group("ladder")
