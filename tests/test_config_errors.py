@@ -212,6 +212,15 @@ def test_a_count_below_one_is_refused_before_any_work(capsys):
             capsys.readouterr().err
 
 
+def assert_refused_by_parser(capsys, cases) -> None:
+    """Each (command, flag, value, rule) stops at parsing, exit status 2, with argparse's line naming the flag."""
+    for command, flag, bad, rule in cases:
+        with pytest.raises(SystemExit) as e:
+            main([*command, flag, bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}: '{bad}': must be {rule}" in err and "Traceback" not in err
+
+
 def test_plan_and_the_simulator_refuse_a_length_or_gpu_size_that_means_nothing(capsys):
     """plan's typical lengths and the --gpu-memory of plan and of a simulated sweep are argparse types: a negative
     length no longer divides by zero, and 0 GiB is refused instead of meaning "no size given"."""
@@ -220,11 +229,7 @@ def test_plan_and_the_simulator_refuse_a_length_or_gpu_size_that_means_nothing(c
     whole = "a whole number of at least 1"
     cases = [(plan, "--input-len", "-5", whole), (plan, "--output-len", "0", whole)]
     cases += [(c, "--gpu-memory", bad, "a number above 0") for c in (plan, sweep) for bad in ("0", "-5", "nan", "x")]
-    for command, flag, bad, rule in cases:
-        with pytest.raises(SystemExit) as e:
-            main([*command, flag, bad])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and f"argument {flag}: '{bad}': must be {rule}" in err and "Traceback" not in err
+    assert_refused_by_parser(capsys, cases)
 
 
 def test_generate_diagnose_and_serve_settings_are_checked_as_they_are_parsed(capsys):
@@ -247,11 +252,7 @@ def test_generate_diagnose_and_serve_settings_are_checked_as_they_are_parsed(cap
     cases += [(c, "--random-range-ratio", bad, "a number in [0, 1)") for c in (sweep, bench) for bad in ("1.5", "nan")]
     cases += [(diagnose, "--interval", bad, above) for bad in ("0", "-5", "nan")]
     cases += [(diagnose, "--window", bad, zero) for bad in ("-5", "nan")]
-    for command, flag, bad, rule in cases:
-        with pytest.raises(SystemExit) as e:
-            main([*command, flag, bad])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and f"argument {flag}: '{bad}': must be {rule}" in err and "Traceback" not in err
+    assert_refused_by_parser(capsys, cases)
 
 
 def test_bench_serve_refuses_a_rate_or_burstiness_that_is_not_a_number_above_zero(capsys):
