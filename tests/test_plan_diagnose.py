@@ -256,7 +256,7 @@ def test_diagnose_cli_against_a_running_server(capsys):
     assert any(e.startswith("limits in force") and "--max-num-seqs" in e for e in out["evidence"])
     with pytest.raises(SystemExit):
         main(["diagnose", "--url", url, "--max-num-batched-tokens", "0"])
-    assert "--max-num-batched-tokens 0: give the server's value, at least 1" in capsys.readouterr().err
+    assert "argument --max-num-batched-tokens: '0': must be a whole number of at least 1" in capsys.readouterr().err
     main(["diagnose", "--url", "http://127.0.0.1:9", "--window", "0", "--json"])
     down = json.loads(capsys.readouterr().out)
     assert down["situation"] == 1 and "listens at http://127.0.0.1:9" in down["first_change"]

@@ -26,13 +26,8 @@ def cmd_plan(ns: argparse.Namespace) -> None:
 
 
 def cmd_diagnose(ns: argparse.Namespace) -> None:
-    from pagedserve.errors import ConfigError, option
     from pagedserve.tune.diagnose import diagnose, scrape_window
 
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
-        if getattr(ns, name) is not None and getattr(ns, name) < 1:
-            raise ConfigError(f"{option(name)} {getattr(ns, name)}: give the server's value, at least 1 "
-                              f"(or leave it out for a pagedserve server, which reports it).")
     samples, failed = scrape_window(ns.url, ns.window, ns.interval)
     result = diagnose(samples, ns.max_num_seqs, ns.url.rstrip("/"), failed, ns.max_num_batched_tokens)
     print(json.dumps(dataclasses.asdict(result), indent=2) if ns.json else result.text())
@@ -153,10 +148,10 @@ def add_tune_parsers(sub) -> None:
     d.add_argument("--window", type=non_negative_float, default=10.0,
                    help="Seconds to watch (0: one scrape).")
     d.add_argument("--interval", type=positive_float, default=1.0, help="Seconds between scrapes.")
-    d.add_argument("--max-num-seqs", type=int, default=None,
+    d.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="The server's --max-num-seqs, to tell queueing at the cap from the token budget "
                         "(default: what a pagedserve server reports in force; give it for vLLM).")
-    d.add_argument("--max-num-batched-tokens", type=int, default=None,
+    d.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="The server's --max-num-batched-tokens, to show how full its steps run (default: as "
                         "for --max-num-seqs).")
     d.add_argument("--json", action="store_true")
