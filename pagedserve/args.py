@@ -99,6 +99,13 @@ def non_negative_float(value: str) -> float:
     return number
 
 
+def port(value: str) -> int:
+    """A TCP port, 1 to 65535."""
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be a TCP port, 1 to 65535")
+    return int(value)
+
+
 def fraction(value: str) -> float:
     """As ``positive_float``, for a share of a whole: a number in [0, 1)."""
     number = _finite(value)

@@ -250,6 +250,7 @@ def test_generate_diagnose_and_serve_settings_are_checked_as_they_are_parsed(cap
              (quality, "--num-prompts", "0", whole), (quality, "--max-tokens", "0", whole),
              (sweep, "--server-start-timeout", "-1", above), (sweep, "--server-start-timeout", "nan", above)]
     cases += [(c, "--random-range-ratio", bad, "a number in [0, 1)") for c in (sweep, bench) for bad in ("1.5", "nan")]
+    cases += [(c, "--port", bad, "a TCP port, 1 to 65535") for c in (serve, bench, sweep) for bad in ("0", "99999")]
     cases += [(diagnose, "--interval", bad, above) for bad in ("0", "-5", "nan")]
     cases += [(diagnose, "--window", bad, zero) for bad in ("-5", "nan")]
     assert_refused_by_parser(capsys, cases)

@@ -65,14 +65,14 @@ class Server(uvicorn.Server):
 
 
 def add_serve_parser(sub) -> None:
-    from pagedserve.args import add_engine_args, non_negative_float, non_negative_int, positive_int
+    from pagedserve.args import add_engine_args, non_negative_float, non_negative_int, port, positive_int
     from pagedserve.server.tools import TOOL_CALL_PARSERS
 
     p = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="Name(s) clients use in the 'model' field (default: the model argument).")
     s.add_argument("--api-key", default=None,
@@ -225,8 +225,6 @@ def build_server(ns: argparse.Namespace, worker=None):
     if ns.root_path and (not ns.root_path.startswith("/") or ns.root_path.endswith("/")):
         raise ConfigError(f"--root-path {ns.root_path!r}: give a path that starts with / and does not end with one, "
                           f"e.g. /llm.")
-    if not 0 < ns.port < 65536:
-        raise ConfigError(f"--port {ns.port} is not a TCP port.")
     check_listen(ns.host, ns.port)
     config = engine_args_from(ns).create_config(serving=True)
     if profiles is not None:
