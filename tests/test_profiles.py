@@ -351,3 +351,7 @@ def test_bench_quality_compares_caches_and_gives_a_verdict(tmp_path, capsys):
     same = json.loads(out.read_text())  # auto is float32 on the CPU: the same cache agrees exactly
     assert same["passed"] and same["agreement"] == 1.0 and same["mean_abs_logprob_diff"] == 0.0
     assert same["perplexity"] == same["reference_perplexity"] > 1.0
+    for flag, bad in (("--min-agreement", "1.5"), ("--max-logprob-diff", "-0.1"), ("--max-perplexity-increase", "nan")):
+        with pytest.raises(SystemExit) as e:  # a threshold no run can meet (or miss) is refused before a model loads
+            main(["bench", "quality", "tiny", flag, bad])
+        assert e.value.code == 2 and "--min-agreement must be in [0, 1]" in capsys.readouterr().err

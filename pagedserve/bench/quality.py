@@ -156,6 +156,9 @@ def run_quality(args, reference_dtype: str, num_prompts: int, max_tokens: int, t
                           f"(--reference-kv-cache-dtype): compare a different cache, e.g. fp8.")
     if not 1 <= top_k <= 20:
         raise ConfigError("--top-logprobs must be in [1, 20].")
+    if not (0 <= min_agreement <= 1 and max_logprob_diff >= 0 and max_perplexity_increase >= 0):  # nan fails too
+        raise ConfigError("--min-agreement must be in [0, 1], --max-logprob-diff and --max-perplexity-increase at "
+                          "least 0: a verdict against any other threshold is decided before the run.")
     ref_args = dataclasses.replace(args, kv_cache_dtype=reference_dtype)
     ref_args.create_config()  # a bad flag fails before any model loads
     args.create_config()
