@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.cli import main
+from pagedserve.cli import build_parser, main
 from pagedserve.config import EngineArgs
 from pagedserve.tune.diagnose import diagnose
 from pagedserve.tune.plan import make_plan
@@ -85,11 +85,23 @@ def test_vllm_server_flags_and_a_config_file(tmp_path, capsys):
     for line, words in (("shutdown-timeout: -1", "--shutdown-timeout: -1 is not valid here ('-1': must be a number of "
                                                  "at least 0)"),
                         ("port: eighty", "--port: 'eighty' is not valid here"),
-                        ("max-num-seqs: true", "--max-num-seqs: True is not valid here")):
+                        ("max-num-seqs: true", "--max-num-seqs: True is not valid here"),
+                        ("max-num-seqs: [16]", "--max-num-seqs: [16] is not valid here"),
+                        ("enable-chunked-prefill: 'false'", "'false' is not valid here (a switch: give true or false)"),
+                        ("api-key: yes", "--api-key: True is not valid here (YAML read a boolean: quote it"),
+                        ("tool-call-parser: json", "--tool-call-parser: 'json' is not valid here (not one of")):
         cfg.write_text(line + "\n")
         with pytest.raises(SystemExit) as e:
             main(["serve", "tiny", "--config", str(cfg)])
         assert e.value.code == 2 and words in capsys.readouterr().err
+    # YAML's own lists, numbers and mappings, as the command line's text would give them
+    cfg.write_text("allowed-origins: ['http://localhost:3000']\napi-key: 12345\nserved-model-name: [a, 7]\n"
+                   "enable-prefix-caching: false\nmax-model-len: 8192\n"
+                   "override-generation-config: {temperature: 0.5}\n")
+    ns = build_parser().parse_args(["serve", "tiny", "--config", str(cfg)])
+    assert (ns.allowed_origins, ns.api_key, ns.served_model_name) == (["http://localhost:3000"], "12345", ["a", "7"])
+    assert ns.max_model_len == "8192" and ns.override_generation_config == {"temperature": 0.5}
+    assert ns.enable_prefix_caching is False
 
 
 def test_parallel_sampling_with_the_openai_sdk(server):
