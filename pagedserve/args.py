@@ -166,6 +166,7 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         """A command with --config FILE takes the file's flags as its defaults, so that flags on the
         command line still win (vLLM's --config)."""
+        self._given = list(sys.argv[1:] if args is None else args)
         ns, rest = super().parse_known_args(args, namespace)
         path = getattr(ns, "config", None)
         if path and any(a.dest == "config" for a in self._actions):
@@ -175,6 +176,17 @@ class Parser(argparse.ArgumentParser):
                 self.error(str(e))
             ns, rest = super().parse_known_args(args, namespace)
         return ns, rest
+
+
+    def error(self, message: str):
+        """argparse's message, and for a value that begins with - (taken for a flag) how to give it."""
+        if message.endswith("expected one argument"):
+            flag = message.split()[1].rstrip(":")
+            given = getattr(self, "_given", [])
+            after = [b for a, b in zip(given, given[1:]) if a == flag and b.startswith("-")]
+            if after:
+                message += f" (a value that begins with - goes after an =: {flag}={after[0]!r})"
+        super().error(message)
 
 
 def flags_from_file(path: str, parser: argparse.ArgumentParser) -> dict:

@@ -60,7 +60,9 @@ def test_server_flags_given_to_a_benchmark_say_where_they_go(capsys):
               "e.g. --serve-args '--kv-cache-dtype fp8 --max-num-seqs=8'"),
              (["bench", "serve", "--max-num-seqs", "8"],
               "--max-num-seqs is a server flag; `bench serve` is a client: give it to `pagedserve serve`"),
-             (["bench", "sweep", "--bogus"], "unrecognized arguments: --bogus\n")]
+             (["bench", "sweep", "--bogus"], "unrecognized arguments: --bogus\n"),
+             (["bench", "sweep", "--model", "tiny", "--serve-args", "--enforce-eager"],
+              "expected one argument (a value that begins with - goes after an =: --serve-args='--enforce-eager')")]
     for argv, words in cases:
         with pytest.raises(SystemExit) as e:
             main(argv)
