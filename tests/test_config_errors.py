@@ -273,14 +273,29 @@ def test_bench_serve_refuses_a_rate_or_burstiness_that_is_not_a_number_above_zer
             assert e.value.code == 2 and f"argument --burstiness: '{bad}': must be a number above 0" in err, err
 
 
+def test_a_dataset_file_that_is_missing_stops_a_benchmark_before_any_server_or_model(tmp_path, capsys):
+    """Checked up front, as a recording is: a sweep no longer starts its server, nor `bench throughput` its model,
+    to find that the file is not there."""
+    commands = (["bench", "sweep", "--model", "tiny"], ["bench", "throughput", "--model", "tiny"],
+                ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "tiny"])
+    for command in commands:
+        for flags, words in ((["--dataset-name", "sharegpt"], "--dataset-name sharegpt needs --dataset-path."),
+                             (["--dataset-name", "custom", "--dataset-path", str(tmp_path / "none.jsonl")],
+                              f"--dataset-path '{tmp_path / 'none.jsonl'}' is not a file.")):
+            with pytest.raises(SystemExit) as e:
+                main([*command, *flags])
+            out, err = capsys.readouterr()
+            assert e.value.code == 2 and words in err and "Starting" not in out and "Traceback" not in err, err
+
+
 def test_knee_settings_refuse_a_failure_rate_that_would_place_or_hide_every_knee(capsys):
     """A negative --knee-max-failure-rate put the knee at the first rung; nan (every comparison false) or 1 never
     let failures place one: refused before the server starts."""
     for bad in ("-0.1", "nan", "1"):
         with pytest.raises(SystemExit) as e:
             main(["bench", "sweep", "--model", "tiny", "--knee-max-failure-rate", bad])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and "--knee-max-failure-rate in [0, 1)" in err and "Starting" not in err, err
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and "--knee-max-failure-rate in [0, 1)" in err and "Starting" not in out, err
 
 
 def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(capsys):

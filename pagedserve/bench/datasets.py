@@ -272,10 +272,22 @@ def require_recording(ns, flag: str) -> None:
                           f"--record-lengths` file).")
 
 
+def _dataset_path(ns) -> str:
+    if ns.dataset_path is None:
+        raise ConfigError(f"--dataset-name {ns.dataset_name} needs --dataset-path.")
+    return ns.dataset_path
+
+
 def announce_dataset(ns) -> None:
-    """Read a recording up front (a bad file fails before any server starts) and say what traffic it holds."""
-    if ns.dataset_name == "lengths" and ns.dataset_path is not None:
-        print(f"Dataset: {describe_recorded_lengths(read_recorded_lengths(ns.dataset_path))}")
+    """Check the dataset flags up front, so that a missing file fails before any server starts or model loads;
+    a recording is read whole, and the traffic it holds described."""
+    if ns.dataset_name == "random":
+        return
+    path = _dataset_path(ns)
+    if ns.dataset_name == "lengths":
+        print(f"Dataset: {describe_recorded_lengths(read_recorded_lengths(path))}")
+    elif not Path(path).is_file():
+        raise ConfigError(f"--dataset-path {path!r} is not a file.")
 
 
 def load_dataset(ns, tokenizer) -> list[SampleRequest]:
@@ -284,8 +296,7 @@ def load_dataset(ns, tokenizer) -> list[SampleRequest]:
     if name == "random":
         return random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
                               ns.random_prefix_len, ns.seed, tokenizer)
-    if ns.dataset_path is None:
-        raise ConfigError(f"--dataset-name {name} needs --dataset-path.")
+    _dataset_path(ns)
     if name == "sharegpt":
         return sharegpt_dataset(ns.dataset_path, ns.num_prompts, tokenizer, ns.sharegpt_output_len, ns.seed)
     if name == "lengths":
