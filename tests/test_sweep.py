@@ -409,6 +409,7 @@ def test_sweep_command_line_errors(tmp_path, capsys):
     assert "--base-url" in err()
     assert "--slo" in err("--model", "tiny", "--slo", "speed=fast")
     assert "--grid 'max_num_seqs'" in err("--model", "tiny", "--grid", "max_num_seqs")
+    assert "list each value once" in err("--model", "tiny", "--grid", "max_num_seqs=4,8,4")
     assert "--port" in err("--model", "tiny", "--serve-args", "--port 9000")
     assert "--concurrency" in err("--model", "tiny", "--concurrency", "1,x")
     assert "not a valid `pagedserve serve` command line" in err("--model", "tiny", "--serve-args", "--max-num-sequences 4")

@@ -308,6 +308,8 @@ def parse_grid(text: str | None) -> tuple[str, list[str]] | None:
     if not sep or not name or not vals:
         raise ConfigError(f"--grid {text!r}: use FLAG=V1,V2,... with one `pagedserve serve` flag, e.g. "
                           f"max_num_seqs=16,32,64.")
+    if len(set(vals)) < len(vals):
+        raise ConfigError(f"--grid {text!r}: list each value once (each starts a server and runs a whole ladder).")
     return name, vals
 
 
