@@ -298,15 +298,22 @@ def test_knee_settings_refuse_a_failure_rate_that_would_place_or_hide_every_knee
         assert e.value.code == 2 and "--knee-max-failure-rate in [0, 1)" in err and "Starting" not in out, err
 
 
-def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(capsys):
+def test_serve_refuses_an_address_or_a_recording_it_cannot_use_before_loading_the_model(capsys, monkeypatch):
     import socket
 
+    from pagedserve.server.async_engine import AsyncEngine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine started before the flags were checked")
+
+    monkeypatch.setattr(AsyncEngine, "__init__", no_engine)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         for flags, why in ((["--port", str(port)], "cannot listen there"), (["--host", "no-such-host.invalid"],
-                                                                             "no such address")):
+                                                                             "no such address"),
+                           (["--record-lengths", "/proc/no-such-folder/traffic.jsonl"], "cannot append to it")):
             with pytest.raises(SystemExit):
                 main(["serve", "tiny", *flags])
             err = capsys.readouterr().err

@@ -226,6 +226,10 @@ def build_server(ns: argparse.Namespace, worker=None):
         raise ConfigError(f"--root-path {ns.root_path!r}: give a path that starts with / and does not end with one, "
                           f"e.g. /llm.")
     check_listen(ns.host, ns.port)
+    if ns.record_lengths is not None:
+        from pagedserve.server.metrics import LengthRecorder
+
+        LengthRecorder(ns.record_lengths).close()  # a file that cannot be appended to fails before the model loads
     config = engine_args_from(ns).create_config(serving=True)
     if profiles is not None:
         from pagedserve.tune.profiles import check_against_engine
