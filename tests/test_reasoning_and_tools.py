@@ -298,6 +298,22 @@ def test_auto_tool_calls_with_the_openai_sdk(server):
     assert plain.choices[0].message.content == "No need." and not plain.choices[0].message.tool_calls
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_only(server):
+    """The model writes two calls; with parallel_tool_calls false the answer (whole or streamed) holds the first,
+    as vLLM's and OpenAI's do; by default both."""
+    _, client, _ = server
+    two = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    args = dict(messages=USER, tools=[WEATHER, TIME], max_tokens=400, temperature=0, extra_body=scripted(two))
+    both = client.chat.completions.create(model="tiny", **args).choices[0].message.tool_calls
+    assert [c.function.name for c in both] == ["get_weather", "get_time"]
+    one = client.chat.completions.create(model="tiny", parallel_tool_calls=False, **args).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["get_weather"] and one.finish_reason == "tool_calls"
+    assert json.loads(one.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    _, parts = stream_of(client, parallel_tool_calls=False, **args)
+    assert parts["calls"] == {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'}} and not parts["content"]
+
+
 def test_forced_tool_choices_parse_on_random_weights(server):
     _, client, _ = server
     named = dict(messages=USER, tools=[WEATHER, TIME], max_tokens=60, temperature=0.8, seed=3,

@@ -52,11 +52,13 @@ class ChatDelta:
 
 class ChatOutputParser:
     """Reasoning first (if the server splits it out), then tool calls in the rest (if the request may make
-    them); without either, the text is content as it comes."""
+    them); without either, the text is content as it comes. ``one_call`` (parallel_tool_calls false): the
+    first call only; any the model writes after it are dropped, as vLLM and OpenAI do."""
 
     def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallParser | None,
-                 include_reasoning: bool = True):
+                 include_reasoning: bool = True, one_call: bool = False):
         self.reasoning, self.tools, self.include_reasoning = reasoning, tools, include_reasoning
+        self.one_call = one_call
         self.called = False
 
     def _after_reasoning(self, reasoning: str, content: str, last: bool) -> ChatDelta:
@@ -70,6 +72,8 @@ class ChatOutputParser:
             c, calls = self.tools.finish()
             delta.content += c
             delta.tool_calls += calls
+        if self.one_call:
+            delta.tool_calls = [entry for entry in delta.tool_calls if entry["index"] == 0]
         self.called |= bool(delta.tool_calls)
         return delta
 

@@ -97,7 +97,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState,
         tools = (TOOL_CALL_PARSERS[settings.tool_call_parser]() if mode == "auto" else
                  NamedCallParser(function) if mode == "named" else
                  RequiredCallsParser() if mode == "required" else None)
-        return ChatOutputParser(reasoning, tools, body.include_reasoning)
+        return ChatOutputParser(reasoning, tools, body.include_reasoning, one_call=not body.parallel_tool_calls)
 
     return streams, [parser() for _ in streams], params
 
