@@ -99,7 +99,7 @@ def non_negative_float(value: str) -> float:
     return number
 
 
-def port(value: str) -> int:
+def tcp_port(value: str) -> int:
     """A TCP port, 1 to 65535."""
     if not value.isdigit() or not 0 < int(value) < 65536:
         raise argparse.ArgumentTypeError(f"{value!r}: must be a TCP port, 1 to 65535")

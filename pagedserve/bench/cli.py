@@ -9,7 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from pagedserve.args import fraction, non_negative_int, port, positive_float, positive_int
+from pagedserve.args import fraction, non_negative_int, positive_float, positive_int, tcp_port
 from pagedserve.errors import ConfigError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the APIs bench serve and sweep drive
@@ -273,7 +273,7 @@ def add_bench_parser(sub) -> None:
     s = bsub.add_parser("serve", help="Online load test against an OpenAI-compatible server.")
     s.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port).")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=port, default=8000)
+    s.add_argument("--port", type=tcp_port, default=8000)
     s.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
     s.add_argument("--model", default=None, help="Model name sent in requests (default: the server's first).")
     s.add_argument("--api-key", default=None)
@@ -304,7 +304,7 @@ def add_bench_parser(sub) -> None:
     g = w.add_argument_group("target (a running server, or one the sweep starts)")
     g.add_argument("--base-url", default=None, help="A running OpenAI-compatible server, e.g. http://127.0.0.1:8000.")
     g.add_argument("--host", default=None, help="Host of a running server (with --port).")
-    g.add_argument("--port", type=port, default=None, help="Port of a running server.")
+    g.add_argument("--port", type=tcp_port, default=None, help="Port of a running server.")
     g.add_argument("--model", default=None,
                    help="Without --base-url/--host/--port: the model to start `pagedserve serve` with (a local "
                         "folder, tiny, or a built-in name with --serve-args '--load-format dummy'). With them: the "

@@ -65,14 +65,14 @@ class Server(uvicorn.Server):
 
 
 def add_serve_parser(sub) -> None:
-    from pagedserve.args import add_engine_args, non_negative_float, non_negative_int, port, positive_int
+    from pagedserve.args import add_engine_args, non_negative_float, non_negative_int, positive_int, tcp_port
     from pagedserve.server.tools import TOOL_CALL_PARSERS
 
     p = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
-    s.add_argument("--port", type=port, default=8000)
+    s.add_argument("--port", type=tcp_port, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="Name(s) clients use in the 'model' field (default: the model argument).")
     s.add_argument("--api-key", default=None,
