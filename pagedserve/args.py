@@ -177,7 +177,6 @@ class Parser(argparse.ArgumentParser):
             ns, rest = super().parse_known_args(args, namespace)
         return ns, rest
 
-
     def error(self, message: str):
         """argparse's message, and for a value that begins with - (taken for a flag) how to give it."""
         if message.endswith("expected one argument"):

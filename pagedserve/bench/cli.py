@@ -216,7 +216,8 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
     lad.add_argument("--replay-speeds", default=None,
                      help="Or replay a recording (--dataset-name lengths) at these multiples of its arrival rate, "
                           "e.g. 1,2,4,8: how many times today's traffic the server takes before the knee.")
-    lad.add_argument("--burstiness", type=positive_float, default=1.0, help="Gamma shape of arrivals for --request-rates.")
+    lad.add_argument("--burstiness", type=positive_float, default=1.0,
+                     help="Gamma shape of arrivals for --request-rates.")
     lad.add_argument("--prompts-per-rung", type=positive_int, default=None,
                      help="Measured prompts per rung (default: max(16, 4C), max(16, 10R) for rates, the whole "
                           "recording for replay speeds: its first N requests with this flag).")
