@@ -209,21 +209,20 @@ def flags_from_file(path: str, parser: argparse.ArgumentParser) -> dict:
 def _typed(action: argparse.Action, value, path: str):
     """A --config value held to its flag's type and choices, as on the command line (argparse applies neither to
     defaults that are not strings). A switch takes a YAML boolean only: "false" as a string would turn it on."""
-    flag = action.option_strings[0] if action.option_strings else action.dest
+    try:
+        if action.nargs == 0:
+            if not isinstance(value, bool):
+                raise argparse.ArgumentTypeError("a switch: give true or false")
+            return value
+        if action.nargs in ("+", "*"):
+            return [_one_value(action, item) for item in (value if isinstance(value, list) else [value])]
+        return _one_value(action, value)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+        flag = action.option_strings[0] if action.option_strings else action.dest
+        raise ConfigError(f"--config {path}: {flag}: {value!r} is not valid here ({e}).") from None
 
-    def refused(why: str) -> ConfigError:
-        return ConfigError(f"--config {path}: {flag}: {value!r} is not valid here ({why}).")
 
-    if action.nargs == 0:
-        if not isinstance(value, bool):
-            raise refused("a switch: give true or false")
-        return value
-    if action.nargs in ("+", "*"):
-        return [_one_value(action, item, refused) for item in (value if isinstance(value, list) else [value])]
-    return _one_value(action, value, refused)
-
-
-def _one_value(action: argparse.Action, value, refused):
+def _one_value(action: argparse.Action, value):
     """One value as the command line would give it: a list or mapping goes to the flag's type as JSON text (a
     JSON flag takes it; a number refuses it)."""
     text = action.type in (None, str)
@@ -232,12 +231,9 @@ def _one_value(action: argparse.Action, value, refused):
             return value  # a mapping flag, such as --override-generation-config
         value = json.dumps(value)
     if isinstance(value, bool) and text:
-        raise refused("YAML read a boolean: quote it to mean the text")
+        raise argparse.ArgumentTypeError("YAML read a boolean: quote it to mean the text")
     if isinstance(value, (str, int, float)):  # a bool for a number is refused by the number's type
-        try:
-            value = str(value) if text else action.type(str(value))
-        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
-            raise refused(str(e)) from None
+        value = str(value) if text else action.type(str(value))
     if action.choices is not None and value not in action.choices:
-        raise refused(f"not one of {', '.join(map(str, action.choices))}")
+        raise argparse.ArgumentTypeError(f"not one of {', '.join(map(str, action.choices))}")
     return value

@@ -296,9 +296,9 @@ def load_dataset(ns, tokenizer) -> list[SampleRequest]:
     if name == "random":
         return random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio,
                               ns.random_prefix_len, ns.seed, tokenizer)
-    _dataset_path(ns)
+    path = _dataset_path(ns)
     if name == "sharegpt":
-        return sharegpt_dataset(ns.dataset_path, ns.num_prompts, tokenizer, ns.sharegpt_output_len, ns.seed)
+        return sharegpt_dataset(path, ns.num_prompts, tokenizer, ns.sharegpt_output_len, ns.seed)
     if name == "lengths":
-        return lengths_dataset(ns.dataset_path, ns.num_prompts, ns.seed, tokenizer)
-    return custom_dataset(ns.dataset_path, ns.num_prompts, tokenizer, ns.custom_output_len)
+        return lengths_dataset(path, ns.num_prompts, ns.seed, tokenizer)
+    return custom_dataset(path, ns.num_prompts, tokenizer, ns.custom_output_len)
