@@ -53,6 +53,10 @@ def parse_size(value: str | int | float | None, what: str) -> int | None:
 
 _SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 _REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# rotary scalings, with the numbers each needs besides its factor, and those it may give
+_ROPE_NEEDS = {"linear": (), "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+               "yarn": ("original_max_position_embeddings",)}
+_ROPE_MAY = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
 
 
 @dataclass(frozen=True)
@@ -92,14 +96,9 @@ class ModelConfig:
             raise ConfigError(f"Sliding-window attention (sliding_window={window}) is not supported.")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"Unsupported hidden_act={cfg.get('hidden_act')!r}: only silu is supported.")
-        # transformers >= 5 writes rope_theta and the scaling into "rope_parameters".
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ConfigError(f"Unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear).")
-        for key in _REQUIRED_SIZES:
-            value = cfg.get(key)
+        rope_theta, rope_scaling = _rope(cfg)
+        max_positions = cfg.get("max_position_embeddings", 4096)
+        for key, value in [*((k, cfg.get(k)) for k in _REQUIRED_SIZES), ("max_position_embeddings", max_positions)]:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"config.json: {key} is {value!r}; a {model_type} checkpoint gives it as a positive "
                                   f"integer (needed: {', '.join(_REQUIRED_SIZES)}).")
@@ -117,8 +116,8 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias says so.
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
@@ -126,6 +125,19 @@ class ModelConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
         )
+
+    def context_limit(self) -> tuple[int, str]:
+        """The longest context the positions reach, and where that number comes from: max_position_embeddings,
+        which a linear scaling stretches by its factor and YaRN replaces with the length it was trained at times
+        its factor (vLLM's rule; Llama-3's scaling is already counted in the file's value)."""
+        scaling = self.rope_scaling or {}
+        kind, factor = scaling.get("rope_type"), scaling.get("factor", 1)
+        if kind == "yarn":
+            return int(scaling["original_max_position_embeddings"] * factor), \
+                "YaRN's original_max_position_embeddings times its factor"
+        if kind == "linear":
+            return int(self.max_position_embeddings * factor), "max_position_embeddings times the linear rope factor"
+        return self.max_position_embeddings, "max_position_embeddings in config.json"
 
     def num_params(self) -> int:
         """Parameter count; tied embeddings are counted once."""
@@ -140,6 +152,36 @@ class ModelConfig:
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * layer + embed + head + h
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
+    """config.json's rotary base and scaling (None: unscaled), every number the scaling uses checked here.
+    transformers >= 5 writes both into "rope_parameters"; a "rope_scaling" beside it (an older file, or one
+    given in --hf-overrides) is read over it."""
+    rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    if cfg.get("rope_theta", rope_theta) != rope_theta:
+        raise ConfigError(f"config.json (with --hf-overrides over it): rope_theta is {cfg['rope_theta']!r} at the top "
+                          f"and {rope_theta!r} in rope_parameters, where transformers >= 5 keeps it; give it in one "
+                          f"place, e.g. --hf-overrides '{{\"rope_parameters\": {{\"rope_theta\": ...}}}}'.")
+    if not _positive_number(rope_theta):
+        raise ConfigError(f"config.json: rope_theta is {rope_theta!r}; give a positive number.")
+    kind = rope.pop("type", None) or rope.get("rope_type", "default")
+    if kind == "default":
+        return float(rope_theta), None
+    if kind not in _ROPE_NEEDS:
+        raise ConfigError(f"Unsupported rope scaling type {kind!r} (supported: default, {', '.join(_ROPE_NEEDS)}).")
+    for key in ("factor", *_ROPE_NEEDS[kind], *_ROPE_MAY.get(kind, ())):
+        value = rope.get(key)
+        if _positive_number(value) or (key in _ROPE_MAY.get(kind, ()) and (value is None or value == 0)):
+            continue  # a 0 or null that it may give means "the default", as in transformers
+        raise ConfigError(f"config.json: the {kind} rope scaling's {key} is {value!r}; give a positive "
+                          f"number (it needs factor{''.join(', ' + k for k in _ROPE_NEEDS[kind])}).")
+    return float(rope_theta), {**rope, "rope_type": kind}
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 # The largest step with prompt tokens replayed as a CUDA graph unless told: launched kernel by kernel, such a
@@ -258,6 +300,26 @@ class GenerationDefaults:
         return ", ".join(f"{k}={v}" for k, v in values.items())
 
 
+def _overridden(hf_config: dict, overrides: str | dict | None) -> dict:
+    """config.json with --hf-overrides over it: a key's value replaces the file's, an object updates the file's
+    object (so a rope scaling keeps the file's rope_theta beside it)."""
+    if overrides is None:
+        return hf_config
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except ValueError as e:
+            raise ConfigError(f"{flag('hf_overrides')}: {overrides!r} is not JSON ({e}); give an object such as "
+                              f"'{{\"max_position_embeddings\": 65536}}'.") from e
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"{flag('hf_overrides')}: {overrides!r} is not an object of config.json keys and values.")
+    merged = dict(hf_config)
+    for key, value in overrides.items():
+        old = merged.get(key)
+        merged[key] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
+    return merged
+
+
 def _override_mapping(value: str | dict) -> dict:
     """--override-generation-config's value (JSON text on the command line, a mapping from Python or YAML)."""
     if isinstance(value, str):
@@ -317,6 +379,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = _arg(False, "Do not load a tokenizer; prompts must be token ids.")
     dtype: str = _arg("auto", "Weight and activation dtype: auto, bfloat16, float16, float32 (auto: float32 on CPU, the checkpoint's dtype on CUDA).")
     load_format: str = _arg("auto", "auto/safetensors: read *.safetensors; dummy: random weights of the architecture.")
+    hf_overrides: str | dict | None = _arg(None, "Values over the model's config.json, as JSON (a dict from Python), e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}}' for Qwen3's 131,072-token context, as its authors describe. A key's value replaces the file's; an object is merged into the file's object of that name.")
     seed: int = _arg(0, "Seed for dummy weights and for sampling without a per-request seed.")
     generation_config: str = _arg("auto", "Default sampling parameters for requests that leave them unset: auto (the model folder's generation_config.json, as its authors recommend: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; its eos_token_id also ends a sequence), vllm (neutral defaults; the file is ignored), or a folder with a generation_config.json.")
     override_generation_config: str | dict | None = _arg(None, "Sampling defaults over the generation config's, as JSON (a dict from Python), e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' (keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): merged onto the model's file with --generation-config auto, used alone with vllm.")
@@ -380,7 +443,7 @@ class EngineArgs:
             raise ConfigError(f"{flag('load_format')}: {self.load_format!r} is not one of {', '.join(_LOAD_FORMATS)}.")
         source = resolve_model(self.model, "dummy" if plan_for else self.load_format)
         generation = GenerationDefaults.read(self.generation_config, source, self.override_generation_config)
-        model_config = ModelConfig.from_hf_dict(source.hf_config)
+        model_config = ModelConfig.from_hf_dict(_overridden(source.hf_config, self.hf_overrides))
 
         device = torch.device(plan_for) if plan_for else self._resolve_device()
         dtype = self._resolve_dtype(model_config, device)
@@ -409,7 +472,7 @@ class EngineArgs:
             raise ConfigError(f"{flag('gpu_memory_utilization')}: {self.gpu_memory_utilization} must be in (0, 1].")
 
         max_model_len = parse_size(self.max_model_len, "max_model_len")
-        limit = model_config.max_position_embeddings
+        limit, where = model_config.context_limit()
         if max_model_len is None:
             max_model_len = limit
         elif max_model_len <= 0:
@@ -417,7 +480,8 @@ class EngineArgs:
         elif max_model_len > limit:
             raise ConfigError(
                 f"{flag('max_model_len')}: {max_model_len} is larger than the model's maximum context "
-                f"length ({limit}, max_position_embeddings in config.json). Use at most {limit}.")
+                f"length ({limit}, {where}). Use at most {limit}, or, where the model's authors recommend it, "
+                f"stretch its positions with a rope scaling in --hf-overrides (e.g. YaRN).")
 
         on_cuda = device.type == "cuda"
         batched = parse_size(self.max_num_batched_tokens, "max_num_batched_tokens")

@@ -31,7 +31,17 @@ def config_error(**kwargs) -> str:
     (dict(block_size=12), ["--block-size", "12"]),
     (dict(reasoning_parser="qwen"), ["--reasoning-parser", "qwen3, deepseek_r1"]),
     (dict(gpu_memory_utilization=1.5), ["--gpu-memory-utilization"]),
-    (dict(max_model_len=100_000), ["--max-model-len", "100000", "2048"]),
+    (dict(max_model_len=100_000), ["--max-model-len", "100000", "2048", "--hf-overrides"]),
+    (dict(hf_overrides="{rope"), ["--hf-overrides", "is not JSON"]),
+    (dict(hf_overrides="[1]"), ["--hf-overrides", "not an object"]),
+    (dict(hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}), ["'dynamic'", "yarn"]),
+    (dict(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+     ["yarn rope scaling's original_max_position_embeddings is None"]),
+    (dict(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 512,
+                                         "beta_fast": "32"}}), ["beta_fast is '32'"]),
+    (dict(hf_overrides={"rope_parameters": {"rope_theta": -1}}), ["rope_theta is -1"]),
+    (dict(hf_overrides={"rope_theta": 5e5}), ["rope_theta is 500000.0 at the top", "in rope_parameters"]),
+    (dict(hf_overrides={"max_position_embeddings": "64k"}), ["max_position_embeddings is '64k'"]),
     (dict(max_model_len="lots"), ["--max-model-len", "lots"]),
     (dict(dtype="int4"), ["--dtype", "int4"]),
     (dict(kv_cache_dtype="int8"), ["--kv-cache-dtype"]),
@@ -51,6 +61,19 @@ def test_bad_engine_args(kwargs, fragments):
     msg = config_error(**kwargs)
     for f in fragments:
         assert f in msg, msg
+
+
+def test_hf_overrides_stretch_the_context_as_the_rope_scaling_says(capsys):
+    """Qwen3's YaRN recipe given on the command line: the context limit is the trained length times the factor
+    (the file's rope_theta kept beside the scaling), and the planner sizes the KV cache at it."""
+    yarn = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
+    config = EngineArgs(model="Qwen/Qwen3-8B", hf_overrides=yarn).create_config(plan_for="cuda")
+    assert config.max_model_len == 131072 and config.model.rope_theta == 1e6
+    assert config.model.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    msg = config_error(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, max_model_len=4097)
+    assert "(4096, max_position_embeddings times the linear rope factor)" in msg  # the tiny model's 2,048, twice
+    main(["plan", "Qwen/Qwen3-8B", "--gpu", "H200-141GB", "--hf-overrides", yarn])
+    assert "Max concurrency @ max_model_len 131072" in capsys.readouterr().out
 
 
 def test_more_tensor_parallel_ranks_than_gpus_is_refused_before_any_rank_starts(monkeypatch):

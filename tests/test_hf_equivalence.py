@@ -62,6 +62,32 @@ def test_greedy_matches_transformers(arch, checkpoints, references):
     assert [o.prompt_token_ids for o in outs] == ids
 
 
+def test_yarn_from_the_file_or_hf_overrides_matches_transformers(checkpoints, references, tmp_path):
+    """Qwen3's weights with YaRN (positions past the 64 it was "trained" at, where its ramp and attention factor
+    act): in config.json, or laid over the unscaled file with --hf-overrides, greedy tokens equal transformers'
+    on the file that has it. The context limit becomes the trained length times the factor."""
+    import json
+    import shutil
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    scaled = tmp_path / "qwen3-yarn"
+    shutil.copytree(checkpoints["qwen3"], scaled)
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], **yarn}
+    config["max_position_embeddings"] = 256
+    (scaled / "config.json").write_text(json.dumps(config))
+    ids, unscaled = references["qwen3"]
+    assert max(map(len, ids)) > 64
+    expected = hf_greedy(scaled, ids, MAX_TOKENS)
+    assert expected != unscaled  # the scaling changes what the model says
+    overridden = LLM(str(checkpoints["qwen3"]), kv_cache_memory="16MiB",
+                     hf_overrides={"rope_scaling": yarn, "max_position_embeddings": 256})
+    for llm in (LLM(str(scaled), kv_cache_memory="16MiB"), overridden):
+        assert llm.engine.config.max_model_len == 256
+        outs = llm.generate(ids, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 @pytest.mark.parametrize("knobs", [
     dict(max_num_batched_tokens=16, max_num_seqs=2),   # chunked prefill of every prompt, tiny batches
     dict(max_num_batched_tokens=40, max_num_seqs=16),  # prefill chunks mixed with decodes

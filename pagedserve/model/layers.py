@@ -64,24 +64,56 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama-3 ("llama3") or linear scaling applied when configured."""
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies with the configured scaling (linear, Llama-3's or YaRN's) applied, and the factor that
+    cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    pos_freqs = config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    inv_freq = 1.0 / pos_freqs
     scaling = config.rope_scaling
     if scaling is None:
-        return inv_freq
+        return inv_freq, 1.0
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
-        return inv_freq / factor
+        return inv_freq / factor, 1.0
+    old_len = float(scaling["original_max_position_embeddings"])
+    if scaling["rope_type"] == "yarn":
+        return _yarn(pos_freqs, factor, old_len, config.rope_theta, scaling)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv_freq
     smooth = (old_len / wavelen - low) / (high - low)
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
+
+
+def _yarn(pos_freqs: torch.Tensor, factor: float, old_len: float, base: float,
+          scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: dimensions that turn more than beta_fast times over the trained length keep their frequency, those
+    that turn fewer than beta_slow times are divided by ``factor``, a linear ramp between; the attention logits
+    grow by 0.1 ln(factor) + 1 (or the configured attention_factor), through cos and sin."""
+    dim = 2 * pos_freqs.numel()
+
+    def dim_turning(turns: float) -> float:  # the dimension whose wavelength fits `turns` times in old_len
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each dimension's own frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
+
+    def mscale(k: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * k * math.log(factor) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+        attention = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both else mscale()
+    return inv_freq, float(attention)
 
 
 class RotaryEmbedding(nn.Module):
@@ -90,9 +122,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, rope_inv_freq(config))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        inv_freq, scale = rope_inv_freq(config)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D]; rotates the two halves of the head dimension."""
