@@ -80,6 +80,7 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # the keys a query sees, where the model limits them
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -90,10 +91,9 @@ class ModelConfig:
             raise ConfigError(
                 f"Unsupported architecture model_type={model_type!r} "
                 f"(supported: {', '.join(sorted(_SUPPORTED_TYPES))}).")
-        window = cfg.get("sliding_window")
-        uses_window = cfg.get("use_sliding_window", model_type == "mistral")
-        if window is not None and uses_window:
-            raise ConfigError(f"Sliding-window attention (sliding_window={window}) is not supported.")
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ConfigError(f"config.json: sliding_window is {window!r}; give a positive integer, or null for none.")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"Unsupported hidden_act={cfg.get('hidden_act')!r}: only silu is supported.")
         rope_theta, rope_scaling = _rope(cfg)
@@ -124,20 +124,29 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
+            sliding_window=window,
         )
 
     def context_limit(self) -> tuple[int, str]:
-        """The longest context the positions reach, and where that number comes from: max_position_embeddings,
+        """The longest context this engine runs the model at, and why: the positions' reach (max_position_embeddings,
         which a linear scaling stretches by its factor and YaRN replaces with the length it was trained at times
-        its factor (vLLM's rule; Llama-3's scaling is already counted in the file's value)."""
+        its factor, vLLM's rule; Llama-3's scaling is already counted in the file's value), or a sliding window,
+        since the engine attends over whole contexts, which is the same attention up to the window's length."""
         scaling = self.rope_scaling or {}
         kind, factor = scaling.get("rope_type"), scaling.get("factor", 1)
         if kind == "yarn":
-            return int(scaling["original_max_position_embeddings"] * factor), \
+            limit, why = int(scaling["original_max_position_embeddings"] * factor), \
                 "YaRN's original_max_position_embeddings times its factor"
-        if kind == "linear":
-            return int(self.max_position_embeddings * factor), "max_position_embeddings times the linear rope factor"
-        return self.max_position_embeddings, "max_position_embeddings in config.json"
+        elif kind == "linear":
+            limit, why = int(self.max_position_embeddings * factor), "max_position_embeddings times the linear factor"
+        else:
+            limit, why = self.max_position_embeddings, ("max_position_embeddings in config.json; where the model's "
+                                                        "authors recommend it, a rope scaling in --hf-overrides (e.g. "
+                                                        "YaRN) stretches it")
+        if self.sliding_window is not None and self.sliding_window < limit:
+            return self.sliding_window, ("sliding_window in config.json: pagedserve attends over whole contexts, the "
+                                         "same attention as the model's up to the window's length")
+        return limit, why
 
     def num_params(self) -> int:
         """Parameter count; tied embeddings are counted once."""
@@ -480,8 +489,7 @@ class EngineArgs:
         elif max_model_len > limit:
             raise ConfigError(
                 f"{flag('max_model_len')}: {max_model_len} is larger than the model's maximum context "
-                f"length ({limit}, {where}). Use at most {limit}, or, where the model's authors recommend it, "
-                f"stretch its positions with a rope scaling in --hf-overrides (e.g. YaRN).")
+                f"length ({limit}: {where}). Use at most {limit}.")
 
         on_cuda = device.type == "cuda"
         batched = parse_size(self.max_num_batched_tokens, "max_num_batched_tokens")

@@ -71,7 +71,7 @@ def test_hf_overrides_stretch_the_context_as_the_rope_scaling_says(capsys):
     assert config.max_model_len == 131072 and config.model.rope_theta == 1e6
     assert config.model.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     msg = config_error(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, max_model_len=4097)
-    assert "(4096, max_position_embeddings times the linear rope factor)" in msg  # the tiny model's 2,048, twice
+    assert "(4096: max_position_embeddings times the linear factor)" in msg  # the tiny model's 2,048, twice
     main(["plan", "Qwen/Qwen3-8B", "--gpu", "H200-141GB", "--hf-overrides", yarn])
     assert "Max concurrency @ max_model_len 131072" in capsys.readouterr().out
 

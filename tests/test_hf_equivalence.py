@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.errors import ConfigError
 
 PROMPTS = [
     "Hello world!",
@@ -86,6 +87,28 @@ def test_yarn_from_the_file_or_hf_overrides_matches_transformers(checkpoints, re
         assert llm.engine.config.max_model_len == 256
         outs = llm.generate(ids, greedy(), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_a_sliding_window_model_runs_up_to_its_window(checkpoints, references, tmp_path):
+    """Mistral's weights with a sliding window: up to the window's length every key is in it, so the engine's
+    whole-context attention is the model's; the context limit is the window, and a longer --max-model-len is
+    refused with the reason."""
+    import json
+    import shutil
+
+    ids, _ = references["mistral"]
+    window = max(map(len, ids)) + MAX_TOKENS
+    windowed = tmp_path / "mistral-window"
+    shutil.copytree(checkpoints["mistral"], windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
+    llm = LLM(str(windowed), kv_cache_memory="16MiB")
+    assert llm.engine.config.max_model_len == window
+    outs = llm.generate(ids, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(windowed, ids, MAX_TOKENS)
+    with pytest.raises(ConfigError, match=f"larger than the model's maximum context length \\({window}: "
+                                          f"sliding_window in config.json"):
+        LLM(str(windowed), kv_cache_memory="16MiB", max_model_len=window + 1)
 
 
 @pytest.mark.parametrize("knobs", [
