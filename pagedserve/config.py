@@ -394,7 +394,7 @@ class EngineArgs:
     override_generation_config: str | dict | None = _arg(None, "Sampling defaults over the generation config's, as JSON (a dict from Python), e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}' (keys: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): merged onto the model's file with --generation-config auto, used alone with vllm.")
     max_logprobs: int = _arg(20, "Most logprobs a request may ask for a token (logprobs, top_logprobs, prompt_logprobs); -1: the vocabulary's size. A request over it is refused with this flag's name.")
     reasoning_parser: str | None = _arg(None, "A reasoning model's <think> convention: qwen3 (Qwen3) or deepseek_r1 (DeepSeek-R1, QwQ). The server returns the reasoning apart from the answer (reasoning_content), and a structured-output grammar holds only from the end of the reasoning.")
-    max_model_len: int | None = _arg(None, "Context length (prompt + output); accepts 8k-style values. Default: the model's max_position_embeddings.", size=True)
+    max_model_len: int | str | None = _arg(None, "Context length (prompt + output); accepts 8k-style values. Default: the model's (max_position_embeddings, or what its rope scaling stretches it to). auto (or -1): the model's if one request of it fits in the KV cache, else the longest that does, chosen once the memory is profiled.", size=True)
     max_num_seqs: int | None = _arg(None, "Most requests running in one step (default 256 on CUDA, 128 on CPU).")
     max_num_batched_tokens: int | None = _arg(None, "Token budget of one step (default 8192 on CUDA, 2048 on CPU; max_model_len without chunked prefill).", size=True)
     enable_chunked_prefill: bool = _arg(True, "Split long prompts over steps to fit the token budget.")
@@ -480,16 +480,23 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"{flag('gpu_memory_utilization')}: {self.gpu_memory_utilization} must be in (0, 1].")
 
-        max_model_len = parse_size(self.max_model_len, "max_model_len")
+        fit_to_cache = str(self.max_model_len).strip().lower() in ("auto", "-1")
+        max_model_len = None if fit_to_cache else parse_size(self.max_model_len, "max_model_len")
         limit, where = model_config.context_limit()
         if max_model_len is None:
             max_model_len = limit
         elif max_model_len <= 0:
-            raise ConfigError(f"{flag('max_model_len')}: {max_model_len} must be positive.")
+            raise ConfigError(f"{flag('max_model_len')}: {max_model_len} must be positive, or auto (-1) for the "
+                              f"longest that fits in the KV cache.")
         elif max_model_len > limit:
             raise ConfigError(
                 f"{flag('max_model_len')}: {max_model_len} is larger than the model's maximum context "
                 f"length ({limit}: {where}). Use at most {limit}.")
+
+        if fit_to_cache and not self.enable_chunked_prefill:
+            raise ConfigError(f"{flag('max_model_len')} auto sets the context once the memory is profiled, and a step "
+                              f"must hold a whole prompt without chunked prefill, so the token budget would have to "
+                              f"follow it; pass --enable-chunked-prefill, or give a length.")
 
         on_cuda = device.type == "cuda"
         batched = parse_size(self.max_num_batched_tokens, "max_num_batched_tokens")
@@ -527,7 +534,8 @@ class EngineArgs:
 
         return EngineConfig(
             args=self, source=source, model=model_config, device=device, dtype=dtype, kv_dtype=kv_dtype,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
+            max_model_len=max_model_len, fit_to_cache=fit_to_cache, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=batched,
             max_mixed_prefill_tokens=mixed if self.enable_chunked_prefill else 0, kv_cache_memory=kv_cache_memory,
             generation=generation, max_cudagraph_capture_size=min(capture, batched), max_logprobs=max_logprobs,
         )
@@ -582,6 +590,7 @@ class EngineConfig:
     dtype: torch.dtype
     kv_dtype: torch.dtype
     max_model_len: int
+    fit_to_cache: bool  # --max-model-len auto: max_model_len is the model's until the KV cache is sized
     max_num_seqs: int
     max_num_batched_tokens: int
     max_mixed_prefill_tokens: int  # 0: no bound on prompt tokens beside decodes

@@ -11,6 +11,7 @@ the estimates below), so the two can never disagree on the arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -110,7 +111,7 @@ class MemoryBudget:
         need_blocks = math.ceil(self.max_model_len / self.block_size)
         if self.num_blocks < need_blocks:
             fits = self.num_blocks * self.block_size
-            shorter = f"Lower --max-model-len to at most {fits:,}, or give" if fits else "Give"
+            shorter = f"Lower --max-model-len to at most {fits:,} (auto picks that), or give" if fits else "Give"
             more = "more memory (--gpu-memory-utilization / --kv-cache-memory)"
             return [f"The KV cache holds {fits:,} tokens ({self.num_blocks:,} blocks of {self.block_size}, "
                     f"{fmt_bytes(self.kv_cache_bytes)}), but one request of max_model_len={self.max_model_len:,} needs "
@@ -160,6 +161,15 @@ def compute_budget(*, model: ModelConfig, kv_dtype: torch.dtype, block_size: int
         kv_bytes = int(device_total * utilization) - weights - activation_peak - non_torch
     return MemoryBudget(source, device_total, utilization, weights, activation_peak, non_torch, kv_bytes,
                         per_token, block_size, max(0, kv_bytes // per_block), max_model_len, dtype_bytes(kv_dtype))
+
+
+def fit_context(config, budget: MemoryBudget):
+    """(config, budget) with --max-model-len auto resolved: the model's context where one request of it fits in the
+    cache, else what the whole cache holds (the longest that can run at all); as given otherwise."""
+    if not config.fit_to_cache or budget.num_blocks == 0 or budget.kv_tokens >= config.max_model_len:
+        return config, budget
+    fitted = budget.kv_tokens
+    return dataclasses.replace(config, max_model_len=fitted), dataclasses.replace(budget, max_model_len=fitted)
 
 
 _SMALLER = "use a smaller --dtype, shard with --tensor-parallel-size, or pick a smaller model"

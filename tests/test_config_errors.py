@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve import LLM
+from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineArgs, ModelConfig
 from pagedserve.errors import ConfigError
 from pagedserve.memory import GiB, check_free_memory, check_host_memory, compute_budget, host_memory_available
@@ -117,6 +117,28 @@ def test_kv_cache_too_small_for_max_model_len_suggests_a_length():
         LLM("tiny", num_gpu_blocks_override=10, max_model_len=1024)
     msg = str(e.value)
     assert "160 tokens" in msg and "max_model_len=1,024" in msg and "--max-model-len to at most 160" in msg
+
+
+def test_max_model_len_auto_fits_the_context_to_the_cache(capsys):
+    """auto (or -1): the model's context where one request of it fits, else what the cache holds, which every part
+    of the engine then holds requests to; the planner says so. It needs chunked prefill (the step's budget)."""
+    assert LLM("tiny", max_model_len=-1).engine.config.max_model_len == 2048  # 1 GiB holds the whole context
+    llm = LLM("tiny", max_model_len="auto", num_gpu_blocks_override=10)
+    engine = llm.engine
+    assert engine.config.max_model_len == engine.core.scheduler.max_model_len == 160
+    assert engine.core.worker.runner.config.max_model_len == 160
+    out = llm.generate([list(range(3, 150))], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 160  # the rest of the fitted context
+    with pytest.raises(ValueError, match="maximum context length is 160 tokens"):
+        llm.generate([list(range(3, 150))], SamplingParams(max_tokens=14), use_tqdm=False)
+    assert "--enable-chunked-prefill, or give a length" in config_error(max_model_len="auto",
+                                                                       enable_chunked_prefill=False)
+    yarn = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
+    main(["plan", "Qwen/Qwen3-8B", "--gpu-memory", "24", "--max-model-len", "auto", "--hf-overrides", yarn])
+    out = capsys.readouterr().out
+    tokens = int(out.split(" tokens (gpu_memory_utilization)")[0].rsplit("= ", 1)[1].replace(",", ""))
+    assert tokens < 131072 and f"Max concurrency @ max_model_len {tokens}  1.00" in out
+    assert f"--max-model-len auto: the KV cache holds {tokens:,} tokens, fewer than the model's context of 131,072" in out
 
 
 def test_kv_cache_without_a_block_asks_for_memory_not_a_shorter_length():

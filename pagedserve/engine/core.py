@@ -110,11 +110,11 @@ class EngineCounters:
 class EngineCore:
     def __init__(self, config: EngineConfig, worker=None, log_budget: bool = True):
         """``worker``: what executes the steps (default: a ``Worker`` on the configured device); anything
-        with its ``budget``, ``execute``, ``device_memory``, ``reset_peak_memory`` and ``shutdown`` will do.
+        with its ``config``, ``budget``, ``execute``, ``device_memory``, ``reset_peak_memory`` and ``shutdown`` will do.
         ``log_budget=False``: a caller that builds many cores of one budget logs it once itself."""
         t0 = time.perf_counter()
-        self.config = config
         self.worker = worker if worker is not None else Worker(config)
+        self.config = config = self.worker.config  # --max-model-len auto: as the worker fitted it to the cache
         self.builder = StepBuilder(config.block_size, config.model.vocab_size, config.args.seed)
         budget = self.worker.budget
         self.pool = BlockPool(budget.num_blocks, config.block_size, config.blocks_per_max_len_request,

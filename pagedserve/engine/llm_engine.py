@@ -17,10 +17,10 @@ class EngineBase:
     def __init__(self, config: EngineConfig, worker=None):
         """``worker``: what runs the steps (default: the model on the configured device; the simulator's
         calibration passes one that prices steps instead)."""
-        self.config = config
         self.tokenizer = load_tokenizer(config)
         self.core = EngineCore(config, worker=worker)
-        self.inputs = InputProcessor(config, self.tokenizer)
+        self.config = self.core.config  # as the worker sized it (--max-model-len auto)
+        self.inputs = InputProcessor(self.config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
 
 

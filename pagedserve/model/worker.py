@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from pagedserve.config import EngineConfig
 from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, check_free_memory, check_host_memory,
-                               compute_budget, host_memory_available, kv_heads_per_rank)
+                               compute_budget, fit_context, host_memory_available, kv_heads_per_rank)
 from pagedserve.model import parallel
 from pagedserve.model.attention import AttentionBackend, TorchAttentionBackend
 from pagedserve.model.cuda_gemv import CudaGemv
@@ -142,7 +142,13 @@ class Worker:
                                     device_total=self._device_total, utilization=c.args.gpu_memory_utilization)
         # one scheduler drives every rank: all use the smallest rank's block count
         blocks = parallel.all_reduce_min(budget.num_blocks, self.device)
-        return dataclasses.replace(budget, num_blocks=blocks).check()
+        fitted, budget = fit_context(c, dataclasses.replace(budget, num_blocks=blocks))
+        if fitted.max_model_len < c.max_model_len:
+            logger.warning("--max-model-len auto: the KV cache holds %d tokens, fewer than the model's context of %d; "
+                           "serving a context of %d (one request of it fills the cache)", fitted.max_model_len,
+                           c.max_model_len, fitted.max_model_len)
+            self.config = self.runner.config = fitted
+        return budget.check()
 
     def execute(self, inp: StepInputs, sampling: SamplingInputs | None) -> PendingSamples | None:
         """Launch one step on every rank (rank 0 hands the others its arrays) without waiting for it."""

@@ -30,7 +30,7 @@ class SimulatedWorker:
         ends as the real worker's does (its heap frozen for the garbage collector), so a real server around
         the worker runs as it would on that device; else the caller takes the steps' seconds from
         ``launched`` and keeps its own clock."""
-        self.budget, self.cost, self.paced = budget, cost, paced
+        self.config, self.budget, self.cost, self.paced = config, budget, cost, paced
         self.sizes = graph_sizes(config)
         self.launched: list[float] = []  # seconds of each step launched since the caller last took them
         self.device_wait = 0.0           # what the host waits for the device, summed over the steps

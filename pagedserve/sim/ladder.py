@@ -90,7 +90,7 @@ class Simulation:
         if plan.failures:
             raise ConfigError(f"The simulated server would not start: {plan.failures[0]}")
         self._tell_graphs(config)
-        return config, plan.budget
+        return dataclasses.replace(config, max_model_len=plan.max_model_len), plan.budget  # --max-model-len auto
 
     def _tell_graphs(self, config) -> None:
         """Warn, and say in the artefacts (``describe``), where this server replays prompt steps as graphs that the

@@ -15,7 +15,7 @@ import numpy as np
 
 from pagedserve.config import EngineArgs, EngineConfig
 from pagedserve.memory import (GiB, MemoryBudget, activation_peak_estimate, compute_budget, dtype_bytes, dtype_name,
-                               fmt_bytes, weight_bytes)
+                               fit_context, fmt_bytes, weight_bytes)
 from pagedserve.model.runner import graph_sizes
 
 MiB = 2**20
@@ -135,6 +135,8 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
         activation_peak=activation_peak_estimate(m, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.dtype, tp),
         non_torch=non_torch, device_total=total, utilization=args.gpu_memory_utilization if on_gpu else None,
         kv_cache_memory=cfg.kv_cache_memory, num_blocks_override=args.num_gpu_blocks_override, tp=tp)
+    context = cfg.max_model_len
+    cfg, budget = fit_context(cfg, budget)
     decode_graphs, prompt_graphs = graph_sizes(cfg)  # none on a CPU, with --enforce-eager or the torch backend
     # each graph keeps its output (a decode graph its logits, a prompt graph its hidden states) and a little of
     # its own; they share one pool, which holds the largest prompt graph's activations
@@ -156,6 +158,10 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
                 m.tie_word_embeddings, failures=budget.failures())
     if plan.failures:
         return plan
+    if cfg.max_model_len < context:
+        plan.warnings.append(f"--max-model-len auto: the KV cache holds {cfg.max_model_len:,} tokens, fewer than the "
+                             f"model's context of {context:,}, so the context is {cfg.max_model_len:,} and one "
+                             f"request of it fills the cache; a length of your own leaves room for more at once.")
     if on_gpu and budget.headroom < graphs + WORKSPACE_HEADROOM:
         safe = math.floor((1 - (graphs + WORKSPACE_HEADROOM) / total) * 100) / 100
         plan.warnings.append(
