@@ -33,6 +33,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # ... per prompt token (plus the prompt's own): scores the prompt
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never completed: a word's last token is barred after the rest of it
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: its last max_model_len
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
     # the argmax of the model's own logits, nothing sampled and no logit changed (set on construction:
     # the engine asks it of every request every step)
@@ -89,7 +92,20 @@ class SamplingParams:
                 raise bad("logit_bias", "values must be in [-100, 100]")
         if self.structured_outputs is not None:
             self.structured_outputs = self._structured(self.structured_outputs)
-        self.plain_greedy = self.greedy and not self.penalized and not self.logit_bias and not self.structured_outputs
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = token_ids(self.allowed_token_ids) if isinstance(self.allowed_token_ids,
+                                                                                     (list, tuple)) else None
+            if not self.allowed_token_ids:
+                raise InvalidRequestError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token "
+                                                               "ids.")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of words (non-empty strings)")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
+                                                            or self.truncate_prompt_tokens == -1):
+            raise bad("truncate_prompt_tokens", "must be a positive number of tokens, or -1 for max_model_len")
+        self.plain_greedy = self.greedy and not (self.penalized or self.logit_bias or self.structured_outputs
+                                                 or self.allowed_token_ids or self.bad_words)
 
     STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

@@ -186,6 +186,10 @@ def test_chat_applies_template(llm):
     (dict(temperature="hot"), "temperature"), (dict(max_tokens="5"), "max_tokens"), (dict(stop=5), "stop"),
     (dict(logprobs=True), "logprobs"), (dict(ignore_eos="yes"), "ignore_eos"), (dict(top_k=2.5), "top_k"),
     (dict(stop_token_ids=[1.5]), "stop_token_ids"), (dict(n=2.0), "n"), (dict(seed="7"), "seed"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[-3]), "allowed_token_ids"),
+    (dict(allowed_token_ids=5), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"),
+    (dict(bad_words="word"), "bad_words"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
 ])
 def test_invalid_sampling_params(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
@@ -227,6 +231,64 @@ def test_logit_bias_steers_sampling_and_leaves_logprobs_raw(llm):
     assert avoided.token_ids[0] != first
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         llm.generate(["Hello"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
+def test_allowed_token_ids_hold_samples_alone_and_with_a_grammar(llm):
+    """allowed_token_ids: every sample among them, greedy or not, beside unconstrained rows; with a grammar, the
+    tokens both allow (here only the spelling of one of three choices can be written)."""
+    tok = llm.get_tokenizer()
+    allowed = [20, 21, 22, 23]
+    outs = llm.generate(["Hello world"] * 3, [
+        SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed, n=2),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)], use_tqdm=False)
+    held = [o.token_ids for out in outs[:2] for o in out.outputs]
+    assert all(set(ids) <= set(allowed) and len(ids) == 12 for ids in held)
+    assert not set(outs[2].outputs[0].token_ids) <= set(allowed)  # the row beside them is free
+    red = tok.encode("red", add_special_tokens=False) + [tok.eos_token_id]
+    choice = SamplingParams(temperature=1.0, max_tokens=8, structured_outputs={"choice": ["red", "green", "blue"]},
+                            allowed_token_ids=red)
+    assert {o.outputs[0].text for o in llm.generate(["Pick:"] * 4, [choice] * 4, use_tqdm=False)} == {"red"}
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids names token"):
+        llm.generate(["Hello"], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+
+
+def test_bad_words_are_never_completed(llm):
+    """A one-token bad word never appears; of a two-token one, the second never follows the first. Greedy
+    decoding that wrote both before writes neither after (a word is the text of tokens that encode back to
+    them)."""
+    tok = llm.get_tokenizer()
+    greedy = dict(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = llm.generate(["Hello world"], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+
+    def spelled(ids):  # the word these tokens spell, if it encodes back to them
+        word = tok.decode(ids)
+        return word if word == word.lstrip() and tok.encode(word, add_special_tokens=False) == list(ids) else None
+
+    one = next(t for t in plain if spelled([t]))
+    a, b = next((a, b) for a, b in zip(plain, plain[1:]) if spelled([a, b]))
+    outs = llm.generate(["Hello world"] * 2, [SamplingParams(**greedy, bad_words=[spelled([one])]),
+                                              SamplingParams(**greedy, bad_words=[spelled([a, b])])], use_tqdm=False)
+    without_one, without_pair = (o.outputs[0].token_ids for o in outs)
+    assert one not in without_one and without_one != plain
+    assert (a, b) not in set(zip(without_pair, without_pair[1:])) and without_pair != plain
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(llm):
+    """truncate_prompt_tokens N: the prompt's last N tokens, as if only they were sent (so a text longer than the
+    context is no error); more than the context is refused; -1 keeps up to the context."""
+    ids = list(range(3, 300))
+    params = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate([ids], SamplingParams(**params, truncate_prompt_tokens=50), use_tqdm=False)[0]
+    alone = llm.generate([ids[-50:]], SamplingParams(**params), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-50:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = "the quick brown fox " * 2000  # far more characters than 256 tokens could hold
+    out = llm.generate([text], SamplingParams(**params, truncate_prompt_tokens=20), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) == 20 and out.prompt == text
+    short = llm.generate([ids[:10]], SamplingParams(**params, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert short.prompt_token_ids == ids[:10]
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens 300 is more than this model's maximum"):
+        llm.generate([ids], SamplingParams(**params, truncate_prompt_tokens=300), use_tqdm=False)
 
 
 def test_generate_names_what_is_wrong_with_its_arguments(llm):

@@ -375,3 +375,26 @@ def test_structured_outputs_through_the_openai_sdk(server):
         model="tiny", prompt="Code:", max_tokens=10, temperature=0, stream=True,
         extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{2}"}}) if chunk.choices)
     assert len(streamed) == 4 and streamed[:2].isupper() and streamed[2:].isdigit()
+
+
+def test_vllm_token_constraints_and_prompt_truncation_over_http(server):
+    """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens through the SDK's extra_body, in both
+    routes; bad values are 400s that name the field."""
+    url, client = server
+    allowed = [30, 31, 32]
+    held = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=1.0, seed=5,
+                                     extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                                                 "return_token_ids": True})
+    assert set(held.choices[0].token_ids) <= set(allowed) and len(held.choices[0].token_ids) == 8
+    long_text = "a long document " * 4000  # more characters than the 1,024-token context could hold
+    cut = client.completions.create(model="tiny", prompt=long_text, max_tokens=2,
+                                    extra_body={"truncate_prompt_tokens": 100})
+    assert cut.usage.prompt_tokens == 100
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_text}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 64, "bad_words": ["a"]})
+    assert chat.usage.prompt_tokens == 64
+    for extra, param in (({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+                         ({"truncate_prompt_tokens": 5000}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"), ({"bad_words": [""]}, "bad_words")):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

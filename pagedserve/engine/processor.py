@@ -9,6 +9,8 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from pagedserve.checks import token_ids
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import CoreOutput
@@ -72,27 +74,28 @@ class InputProcessor:
                           f"built-in model name with dummy weights): send the prompt as token ids.")
         return self.tokenizer
 
-    def check_text(self, text: str, param: str) -> None:
-        """Refuse text that cannot be tokenized (a lone surrogate is not Unicode text) or that is certainly
-        longer than the context, before any tokenizer work."""
+    def check_text(self, text: str, param: str, truncated: bool = False) -> None:
+        """Refuse text that cannot be tokenized (a lone surrogate is not Unicode text) or, unless the request
+        keeps only its last tokens, that is certainly longer than the context, before any tokenizer work."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise InvalidRequestError(param, f"The {param} is not valid Unicode text: {e.reason} "
                                              f"({text[e.start:e.end]!r} at character {e.start}).") from None
-        if len(text) > self.max_prompt_chars:
+        if len(text) > self.max_prompt_chars and not truncated:
             raise InvalidRequestError(param, f"{param.capitalize()}: {len(text):,} characters, so more tokens than "
                                              f"this model's maximum context of {self.config.max_model_len}.")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, truncated: bool = False) -> list[int]:
         tok = self._need_tokenizer("Text prompts")
-        self.check_text(text, "prompt")
+        self.check_text(text, "prompt", truncated)
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
-                            add_generation_prompt: bool = True, **kwargs) -> list[int]:
+                            add_generation_prompt: bool = True, truncated: bool = False, **kwargs) -> list[int]:
         """Render and tokenize a conversation: with ``chat_template`` if given, else the server's
-        (``--chat-template``), else the tokenizer's own; ``kwargs`` reach the template."""
+        (``--chat-template``), else the tokenizer's own; ``kwargs`` reach the template. ``truncated``: the
+        request keeps only its last tokens (truncate_prompt_tokens), so no length is refused here."""
         tok = self._need_tokenizer("Chat messages")
         template = chat_template or self.chat_template
         if template is None and tok.chat_template is None:
@@ -102,13 +105,13 @@ class InputProcessor:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise InvalidRequestError("messages", f"Message {i} is not a dict with a \"role\": {m!r:.80}.")
             if isinstance(m.get("content"), str):  # None (or left out): an empty turn, as the template renders it
-                self.check_text(m["content"], "messages")
+                self.check_text(m["content"], "messages", truncated)
         try:
             text = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
                                            add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # a template that rejects the messages (e.g. roles out of order)
             raise InvalidRequestError("messages", f"The chat template could not render these messages: {e}") from e
-        self.check_text(text, "messages")
+        self.check_text(text, "messages", truncated)
         return tok.encode(text, add_special_tokens=False)
 
     def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -120,14 +123,35 @@ class InputProcessor:
         first, text = self.make_request(f"{request_id}-0", prompt, params.child(0), priority=priority)
         return [(first, text)] + [
             (Request(f"{request_id}-{j}", first.prompt_token_ids, params.child(j), self.eos_token_ids, first.max_tokens,
-                     arrival_time=first.arrival_time, grammar=self._grammar(params, first.prompt_token_ids),
-                     priority=priority, cache_salt=first.cache_salt), text)
+                     arrival_time=first.arrival_time, priority=priority, cache_salt=first.cache_salt,
+                     **self._constraints(params, first.prompt_token_ids)), text)
             for j in range(1, params.n)]
 
-    def _grammar(self, params: SamplingParams, prompt_token_ids: list[int]):
-        if params.structured_outputs is None:
-            return None
-        return self.grammars.grammar(params.structured_outputs, prompt_token_ids)
+    def _constraints(self, params: SamplingParams, prompt_token_ids: list[int]) -> dict:
+        """What holds a request's samples, as ``Request`` takes it: its grammar (each sample's own state), its
+        allowed tokens as bits, and its bad words as token ids."""
+        out: dict = {}
+        if params.structured_outputs is not None:
+            out["grammar"] = self.grammars.grammar(params.structured_outputs, prompt_token_ids)
+        if params.allowed_token_ids:
+            ids = np.asarray(params.allowed_token_ids, dtype=np.int64)
+            bits = np.zeros(-(-self.config.model.vocab_size // 32), dtype=np.uint32)
+            np.bitwise_or.at(bits, ids >> 5, np.left_shift(1, ids & 31).astype(np.uint32))
+            out["allowed_tokens"] = bits.view(np.int32)
+        if params.bad_words:
+            out["bad_words"] = self._bad_word_ids(params.bad_words)
+        return out
+
+    def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's token ids as it would start the text and as it would follow a space (the second only
+        where it differs in its first token and not in length, as vLLM reads them)."""
+        tok = self._need_tokenizer("bad_words")
+        found: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(tok.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tok.encode(" " + word.lstrip(), add_special_tokens=False))
+            found += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+        return tuple(dict.fromkeys(found))
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                      arrival_time: float | None = None, priority: int = 0) -> tuple[Request, str | None]:
@@ -138,8 +162,9 @@ class InputProcessor:
         if isinstance(prompt, dict):
             prompt, salt = _unpack(prompt)
         vocab = self.config.model.vocab_size
+        keep = params.truncate_prompt_tokens
         if isinstance(prompt, str):
-            text, ids = prompt, self.encode(prompt)
+            text, ids = prompt, self.encode(prompt, truncated=keep is not None)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, token_ids(prompt)
             if ids is None or any(t >= vocab for t in ids):
@@ -155,10 +180,16 @@ class InputProcessor:
             if asked is not None and asked > most:
                 raise InvalidRequestError(name, f"Asked for {asked} {name} a token; this server returns at most "
                                                 f"{most} (start it with a larger --max-logprobs to allow more).")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError("logit_bias", f"logit_bias names token {max(params.logit_bias)}; token ids "
-                                                    f"are in [0, {vocab}).")
+        for name, named in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            if named and max(named) >= vocab:
+                raise InvalidRequestError(name, f"{name} names token {max(named)}; token ids are in [0, {vocab}).")
         limit = self.config.max_model_len
+        if keep is not None:
+            keep = limit if keep == -1 else keep
+            if keep > limit:
+                raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens {keep} is more than this "
+                                                                    f"model's maximum context of {limit} tokens.")
+            ids = ids[-keep:]
         n = len(ids)
         if params.max_tokens is None:
             if n >= limit:
@@ -174,8 +205,8 @@ class InputProcessor:
                                   f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
                                   f"Please reduce the length of the prompt or max_tokens.")
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
-        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, grammar=self._grammar(params, ids),
-                       priority=priority, cache_salt=salt, **kwargs), text
+        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, priority=priority, cache_salt=salt,
+                       **self._constraints(params, ids), **kwargs), text
 
 
 def _unpack(prompt: dict) -> tuple[str | list[int], str | None]:

@@ -7,6 +7,8 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedserve.engine.structured import Grammar
 from pagedserve.sampling_params import SamplingParams
 
@@ -50,7 +52,10 @@ class Request:
     max_tokens: int                        # resolved: never beyond max_model_len
     arrival_time: float = field(default_factory=time.monotonic)
     grammar: Grammar | None = None         # structured output: the tokens allowed next
+    allowed_tokens: np.ndarray | None = None  # allowed_token_ids as [ceil(vocab / 32)] int32 bits
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of the words never to complete
     all_token_ids: array = field(init=False)
+    reads_newest_token: bool = field(init=False)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
     num_prompt_scored: int = 0             # prompt_logprobs: positions whose next prompt token is scored
@@ -65,6 +70,16 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = array("q", self.prompt_token_ids)
+        # what it may sample next depends on its newest token (a grammar's state, a bad word's first tokens), so it
+        # sits out a step while that token is still on the device
+        self.reads_newest_token = self.grammar is not None or any(len(w) > 1 for w in self.bad_words)
+
+    def barred_tokens(self) -> list[int]:
+        """The tokens that would complete one of its bad words now: a word's last token, where its output ends with
+        the rest of the word."""
+        output = len(self.all_token_ids) - len(self.prompt_token_ids)
+        return [w[-1] for w in self.bad_words if len(w) == 1 or (
+            len(w) <= output + 1 and tuple(self.all_token_ids[1 - len(w):]) == w[:-1])]
 
     @property
     def num_prompt_tokens(self) -> int:

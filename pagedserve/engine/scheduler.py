@@ -147,8 +147,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.ends_in_flight(self.max_model_len) or (req.grammar is not None and req.num_pending_tokens):
-                i += 1  # (structured output: the next mask needs the token in flight)
+            if req.ends_in_flight(self.max_model_len) or (req.reads_newest_token and req.num_pending_tokens):
+                i += 1  # (a grammar or a bad word: what it may sample next depends on the token in flight)
                 continue
             n = req.num_tokens_with_pending - req.num_computed_tokens
             prefilling = n > 1  # a prompt chunk (or a preempted request's recompute), not a decode

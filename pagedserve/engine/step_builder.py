@@ -96,17 +96,30 @@ class StepBuilder:
         step = (self._seed_base, self._num_sampling_steps)
         seeds = [hash((p.seed, r.num_tokens_with_pending) if p.seed is not None else (*step, i)) & _SEED_MASK
                  for i, (r, p) in enumerate(zip(requests, sp))]
-        constrained = [(row, r.grammar) for row, r in enumerate(requests) if r.grammar is not None and r.grammar.active]
-        rows = mask = None
-        if constrained:
-            rows = np.asarray([row for row, _ in constrained], dtype=np.int64)
-            mask = structured.bitmask([g for _, g in constrained], self.vocab_size)
-        biased = [(row, p.logit_bias) for row, p in enumerate(sp) if p.logit_bias]
+        rows, mask = self._allowed(requests)
+        # logit_bias entries, and -inf for each token that would complete a bad word
+        biased = [(row, t, b) for row, p in enumerate(sp) if p.logit_bias for t, b in p.logit_bias.items()]
+        biased += [(row, t, -np.inf) for row, r in enumerate(requests) if r.bad_words for t in r.barred_tokens()]
         index = values = None
         if biased:
-            index = np.array([(row, t) for row, bias in biased for t in bias], dtype=np.int64).T
-            values = np.array([b for _, bias in biased for b in bias.values()], dtype=np.float32)
+            index = np.array([(row, t) for row, t, _ in biased], dtype=np.int64).T
+            values = np.array([b for _, _, b in biased], dtype=np.float32)
         return SamplingInputs(table, seeds, num_logprobs, self._penalties(requests, sp), index, values, rows, mask)
+
+    def _allowed(self, requests: list[Request]) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The rows held to some tokens (a grammar's next, allowed_token_ids, or both) and their bits."""
+        held = [(row, r) for row, r in enumerate(requests)
+                if (r.grammar is not None and r.grammar.active) or r.allowed_tokens is not None]
+        if not held:
+            return None, None
+        grammars = [i for i, (_, r) in enumerate(held) if r.grammar is not None and r.grammar.active]
+        mask = np.full((len(held), -(-self.vocab_size // 32)), -1, dtype=np.int32)
+        if grammars:
+            mask[grammars] = structured.bitmask([held[i][1].grammar for i in grammars], self.vocab_size)
+        for i, (_, r) in enumerate(held):
+            if r.allowed_tokens is not None:
+                mask[i] &= r.allowed_tokens
+        return np.asarray([row for row, _ in held], dtype=np.int64), mask
 
     def _penalties(self, requests: list[Request], sp: list[SamplingParams]) -> PenaltyInputs | None:
         """The tokens each penalized row has seen: its output, and its prompt too for a repetition penalty."""

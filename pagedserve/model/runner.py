@@ -470,8 +470,8 @@ class ModelRunner:
             penalties=None if s.penalties is None else self._penalties(s.penalties, previous),
             logit_bias=None if s.bias_index is None else (self._to_device(s.bias_index),
                                                           self._to_device(s.bias_values)),
-            grammar=None if s.grammar_rows is None else (self._to_device(s.grammar_rows),
-                                                         self._to_device(s.grammar_bitmask)))
+            allowed=None if s.allowed_rows is None else (self._to_device(s.allowed_rows),
+                                                         self._to_device(s.allowed_bitmask)))
 
     def _penalties(self, p: PenaltyInputs, previous: torch.Tensor | None) -> Penalties:
         tokens = self._to_device(p.tokens)

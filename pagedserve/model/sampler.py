@@ -1,5 +1,5 @@
-"""Batched sampling: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds,
-top-N logprobs.
+"""Batched sampling: allowed tokens, logit bias (bad words as -inf), penalties, greedy, temperature, top-k,
+top-p, min-p, per-request seeds, top-N logprobs.
 
 Random rows use the Gumbel-max form: ``argmax(logits / T + g)`` with ``g = -log(-log u)``, ``u`` uniform,
 samples exactly from ``softmax(logits / T)``, and needs no softmax, only one read of the logits (on
@@ -60,7 +60,7 @@ class SamplingBatch:
     num_logprobs: int                # max top-N requested in the batch; -1: none
     penalties: Penalties | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # [2, E] (row, token) and [E] bias
-    grammar: tuple[torch.Tensor, torch.Tensor] | None = None     # [G] rows and [G, vocab/32] allowed-token bits
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None     # [A] rows and [A, vocab/32] allowed-token bits
 
     @classmethod
     def greedy_only(cls, num_logprobs: int = -1) -> SamplingBatch:
@@ -84,8 +84,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = logits.argmax(dim=-1)
     else:
         x, inv_t = logits, 1.0 / batch.temperature
-        if batch.grammar is not None:  # first: structured output allows only these tokens
-            x = masked_to_grammar(x, *batch.grammar)
+        if batch.allowed is not None:  # first: structured output (and allowed_token_ids) allow only these tokens
+            x = masked_to_allowed(x, *batch.allowed)
         if batch.logit_bias is not None:  # before the penalties, as vLLM applies them
             index, bias = batch.logit_bias
             x = x.float().index_put((index[0], index[1]), bias, accumulate=True)
@@ -102,8 +102,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return token_logprobs(logits, tokens, batch.num_logprobs)
 
 
-def masked_to_grammar(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """float32 logits with every token a row's grammar does not allow at -inf (bit t of a row: token t)."""
+def masked_to_allowed(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """float32 logits with every token a row may not sample at -inf (bit t of a row: token t)."""
     vocab = logits.shape[1]
     bits = torch.arange(32, device=logits.device, dtype=bitmask.dtype)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(len(rows), -1)[:, :vocab]

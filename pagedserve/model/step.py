@@ -58,9 +58,9 @@ class SamplingInputs:
     # logit_bias entries of every row: [2, E] int64 (row, token) and [E] float32 bias; None if no row has one
     bias_index: np.ndarray | None = None
     bias_values: np.ndarray | None = None
-    # structured output: the rows with a grammar, and [G, ceil(vocab / 32)] int32 bits of the tokens allowed
-    grammar_rows: np.ndarray | None = None
-    grammar_bitmask: np.ndarray | None = None
+    # the rows held to some tokens (a grammar's, allowed_token_ids), and [A, ceil(vocab / 32)] int32 bits of those
+    allowed_rows: np.ndarray | None = None
+    allowed_bitmask: np.ndarray | None = None
 
     @classmethod
     def greedy_only(cls, num_logprobs: int = -1) -> SamplingInputs:

@@ -78,6 +78,9 @@ class _SamplingFields(_Body):
     cache_salt: StrictStr | None = Field(default=None, min_length=1)  # prefix-cache blocks shared within a salt
     return_tokens_as_token_ids: StrictBool | None = None  # logprobs' tokens as "token_id:N" (None: the server's)
     return_token_ids: StrictBool = False  # the prompt's and the output's token ids beside the text
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
 
     def salted(self, prompt: str | list[int]) -> str | list[int] | dict:
         """The prompt as the engine takes it: with the request's cache salt, if it has one."""
@@ -108,7 +111,8 @@ class _SamplingFields(_Body):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=self._logit_bias(), structured_outputs=self._structured(),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def _structured(self) -> dict | None:
         """The one structured-output request among the fields that can make it, as ``SamplingParams`` takes it."""

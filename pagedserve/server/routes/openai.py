@@ -86,7 +86,8 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState,
     messages = [m.as_dict() for m in body.messages]
     template_args = body.template_args(settings.trust_request_chat_template, settings.tools_when_none)
     state.admission.check_room(params.n, body.priority)
-    prompt = await asyncio.to_thread(state.engine.inputs.apply_chat_template, messages, **template_args)
+    prompt = await asyncio.to_thread(state.engine.inputs.apply_chat_template, messages,
+                                     truncated=params.truncate_prompt_tokens is not None, **template_args)
     streams = await state.start(rid, [body.salted(prompt)], params, body.priority, body.stream)
     reasoning_parser = state.engine.config.args.reasoning_parser
     if reasoning_parser is not None:
