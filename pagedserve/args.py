@@ -61,6 +61,45 @@ def engine_flags(args: EngineArgs) -> list[str]:
     return flags
 
 
+_LOCAL_ONLY = "weights are never downloaded here: give a local checkpoint folder"
+_XGRAMMAR = "structured output always compiles with xgrammar: leave it out"
+_OVERRIDE = "vLLM's older flag: give the value in --hf-overrides, e.g. '{\"rope_scaling\": {...}}'"
+# vLLM flags with no counterpart here, and what to do instead: launch scripts brought from vLLM name them
+VLLM_ONLY_FLAGS = {
+    "--download-dir": _LOCAL_ONLY, "--revision": _LOCAL_ONLY, "--tokenizer-revision": _LOCAL_ONLY,
+    "--code-revision": _LOCAL_ONLY, "--hf-token": _LOCAL_ONLY,
+    "--tokenizer-mode": "the folder's tokenizer loads through transformers' AutoTokenizer: leave it out",
+    "--swap-space": "a preempted request is recomputed, never swapped to host memory (as in vLLM V1): leave it out",
+    "--cpu-offload-gb": "weights stay on the GPU: shard them with --tensor-parallel-size instead",
+    "--pipeline-parallel-size": "only tensor parallelism here: use --tensor-parallel-size",
+    "--data-parallel-size": "one engine a server: run a server for each GPU group behind a load balancer",
+    "--distributed-executor-backend": "tensor-parallel ranks are local processes: leave it out",
+    "--disable-custom-all-reduce": "ranks all-reduce through NCCL: leave it out",
+    "--max-seq-len-to-capture": "vLLM's older name: use --max-cudagraph-capture-size",
+    "--compilation-config": "steps replay CUDA graphs of the engine's own kernels, no torch.compile: leave it out "
+                            "(--enforce-eager turns the graphs off)",
+    "--async-scheduling": "the engine always schedules a step while the one before it runs: leave it out",
+    "--rope-scaling": _OVERRIDE, "--rope-theta": _OVERRIDE,
+    "--guided-decoding-backend": _XGRAMMAR, "--structured-outputs-config": _XGRAMMAR,
+    "--disable-sliding-window": "a sliding-window model already runs, with whole-context attention, up to its "
+                                "window: leave it out",
+    "--enable-lora": "LoRA adapters are not served here",
+    "--speculative-config": "speculative decoding is not done here",
+    "--enable-expert-parallel": "mixture-of-experts models are not served here (dense Llama, Mistral, Qwen2, Qwen3 are)",
+    "--limit-mm-per-prompt": "text models only: leave it out",
+    "--api-server-count": "the API server is one event loop beside the engine's thread: leave it out",
+    "--max-log-len": "--enable-log-requests logs a request's lengths and parameters, never its text: leave it out",
+}
+
+
+def vllm_flag_hint(rest: list[str]) -> str:
+    """What to do about the vLLM flags among the unknown ones."""
+    names = [a.split("=")[0] for a in rest if a.startswith("-")]
+    hints = [f"{n}: {VLLM_ONLY_FLAGS[n]}" for n in names if n in VLLM_ONLY_FLAGS]
+    hints += [f"{n}: {VLLM_ONLY_FLAGS['--compilation-config']}" for n in names if n.startswith("-O")]
+    return f" (vLLM's {'; '.join(hints)})" if hints else ""
+
+
 def positive_int(value: str) -> int:
     """An argparse type for a count: a whole number of at least 1 (argparse names the flag when it is not), so a
     bad one stops the command before a model loads."""
@@ -202,7 +241,8 @@ def flags_from_file(path: str, parser: argparse.ArgumentParser) -> dict:
     values = {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(values) - set(actions) - {"config"})
     if unknown:
-        raise ConfigError(f"--config {path}: unknown flag(s) {', '.join(unknown)} for `pagedserve {parser.prog.split()[-1]}`.")
+        raise ConfigError(f"--config {path}: unknown flag(s) {', '.join(unknown)} for `pagedserve "
+                          f"{parser.prog.split()[-1]}`{vllm_flag_hint([option(u) for u in unknown])}.")
     return {dest: _typed(actions[dest], value, path) for dest, value in values.items()}
 
 

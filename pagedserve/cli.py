@@ -12,7 +12,7 @@ import sys
 import time
 
 from pagedserve.args import (Parser, add_engine_args, engine_args_from, non_negative_float, positive_int,
-                             setup_logging)
+                             setup_logging, vllm_flag_hint)
 from pagedserve.errors import reported
 
 DEFAULT_PROMPTS = [
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     ns, rest = parser.parse_known_args(argv)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}{_server_flag_hint(parser, ns, rest)}")
+        parser.error(f"unrecognized arguments: {' '.join(rest)}{vllm_flag_hint(rest)}"
+                     f"{_server_flag_hint(parser, ns, rest)}")
     if ns.command is None:
         parser.print_help()
         return

@@ -45,11 +45,23 @@ def test_version_bare_commands_and_defaults_in_help(capsys):
 @pytest.mark.parametrize("flag, fragment", [
     ("--trust-remote-code", "never runs code from a model folder"),
     ("--quantization=awq", "quantized weights do not run here"),
+    ("--swap-space=4", "vLLM's --swap-space: a preempted request is recomputed"),
+    ("--download-dir=/models", "give a local checkpoint folder"),
+    ("--max-seq-len-to-capture=8192", "use --max-cudagraph-capture-size"),
+    ("-O3", "-O3: steps replay CUDA graphs"),
 ])
 def test_vllm_flags_that_cannot_apply_say_why(capsys, flag, fragment):
     with pytest.raises(SystemExit) as e:
         main(["serve", "tiny", *ENGINE, flag])
     assert e.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_a_config_file_with_a_vllm_only_flag_says_what_to_do(tmp_path, capsys):
+    (tmp_path / "vllm.yaml").write_text("pipeline-parallel-size: 2\nmax-num-seqs: 8\n")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "tiny", "--config", str(tmp_path / "vllm.yaml")])
+    assert e.value.code == 2 and "--pipeline-parallel-size: only tensor parallelism here: use --tensor-parallel-size" \
+        in capsys.readouterr().err
 
 
 def test_server_flags_given_to_a_benchmark_say_where_they_go(capsys):
