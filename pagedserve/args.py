@@ -65,7 +65,7 @@ _LOCAL_ONLY = "weights are never downloaded here: give a local checkpoint folder
 _XGRAMMAR = "structured output always compiles with xgrammar: leave it out"
 _OVERRIDE = "vLLM's older flag: give the value in --hf-overrides, e.g. '{\"rope_scaling\": {...}}'"
 # vLLM flags with no counterpart here, and what to do instead: launch scripts brought from vLLM name them
-VLLM_ONLY_FLAGS = {
+_VLLM_ONLY_FLAGS = {
     "--download-dir": _LOCAL_ONLY, "--revision": _LOCAL_ONLY, "--tokenizer-revision": _LOCAL_ONLY,
     "--code-revision": _LOCAL_ONLY, "--hf-token": _LOCAL_ONLY,
     "--tokenizer-mode": "the folder's tokenizer loads through transformers' AutoTokenizer: leave it out",
@@ -95,8 +95,8 @@ VLLM_ONLY_FLAGS = {
 def vllm_flag_hint(rest: list[str]) -> str:
     """What to do about the vLLM flags among the unknown ones."""
     names = [a.split("=")[0] for a in rest if a.startswith("-")]
-    hints = [f"{n}: {VLLM_ONLY_FLAGS[n]}" for n in names if n in VLLM_ONLY_FLAGS]
-    hints += [f"{n}: {VLLM_ONLY_FLAGS['--compilation-config']}" for n in names if n.startswith("-O")]
+    hints = [f"{n}: {_VLLM_ONLY_FLAGS[n]}" for n in names if n in _VLLM_ONLY_FLAGS]
+    hints += [f"{n}: {_VLLM_ONLY_FLAGS['--compilation-config']}" for n in names if n.startswith("-O")]
     return f" (vLLM's {'; '.join(hints)})" if hints else ""
 
 
