@@ -274,6 +274,7 @@ def test_plan_wording():
     assert "tied embeddings" not in table  # Qwen3-8B has its own lm_head
     small = make_plan(EngineArgs(model="Qwen/Qwen3-0.6B", max_model_len=8192), gpu="H100-80GB").table()
     assert "(tied embeddings counted once)" in small
+    assert "8,192 tokens a request (max_model_len) of the model's 40,960" in small  # room to raise it, or not
 
 
 def test_diagnose_names_the_next_command_and_generate_says_the_tiny_model_is_random(capsys):

@@ -54,6 +54,7 @@ class Plan:
     dtype: str
     kv_cache_dtype: str
     max_model_len: int
+    model_context: int  # the longest context the model reaches (its positions, a rope scaling, a sliding window)
     max_num_seqs: int
     max_num_batched_tokens: int
     budget: MemoryBudget
@@ -84,6 +85,7 @@ class Plan:
               f"0 GiB: weights, activations and non-torch memory exceed the budget by {fmt_bytes(-b.kv_cache_bytes)} "
               f"(see below)")
         rows += [
+            ("Context", f"{self.max_model_len:,} tokens a request (max_model_len) of the model's {self.model_context:,}"),
             ("Weights", f"{fmt_bytes(b.weights)} per GPU{tied}"),
             ("Activation peak", f"{fmt_bytes(b.activation_peak)} for {self.max_num_batched_tokens} tokens, "
                                 f"{self.max_num_seqs} sequences (estimate)"),
@@ -154,7 +156,7 @@ def make_plan(args: EngineArgs, gpu: str | None = None, gpu_memory_gib: float | 
                         f"recorded largest, {max(recorded)} tokens": max(recorded)})
     concurrency = {k: budget.max_concurrency(n) for k, n in lengths.items()}
     plan = Plan(args.model, gpu, tp, dtype_name(cfg.dtype), dtype_name(cfg.kv_dtype),
-                cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, budget, graphs, concurrency,
+                cfg.max_model_len, m.context_limit()[0], cfg.max_num_seqs, cfg.max_num_batched_tokens, budget, graphs, concurrency,
                 m.tie_word_embeddings, failures=budget.failures())
     if plan.failures:
         return plan
