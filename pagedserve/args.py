@@ -88,6 +88,7 @@ _VLLM_ONLY_FLAGS = {
     "--enable-expert-parallel": "mixture-of-experts models are not served here (dense Llama, Mistral, Qwen2, Qwen3 are)",
     "--limit-mm-per-prompt": "text models only: leave it out",
     "--api-server-count": "the API server is one event loop beside the engine's thread: leave it out",
+    "--backend": "`bench serve` and `bench sweep` shape their requests by --endpoint: leave it out",
     "--max-log-len": "--enable-log-requests logs a request's lengths and parameters, never its text: leave it out",
 }
 

@@ -261,6 +261,32 @@ def test_bench_serve_on_the_chat_and_responses_routes_times_the_first_token(tmp_
     assert result["mean_ttft_ms"] >= 1e3 * server_ttft
 
 
+def test_bench_serve_sends_the_sampling_and_extra_body_asked_for(tmp_path, capsys):
+    """--temperature/--top-p/--top-k/--min-p and --extra-body reach every request (a field the server refuses fails
+    them all, with its message); values the server would refuse, or fields the benchmark sets, stop it first."""
+    from pagedserve.bench.datasets import SampleRequest
+    from pagedserve.bench.serve import BenchConfig, request_body
+
+    cfg = BenchConfig("http://x", "/v1/chat/completions", "m", sampling={"temperature": 0.7, "top_k": 5, "seed": 1})
+    body = request_body(cfg, SampleRequest("hi", 3, 4))
+    assert body["temperature"] == 0.7 and body["top_k"] == 5 and body["seed"] == 1 and body["max_tokens"] == 4
+    common = ["--model", "tiny", "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "4",
+              "--disable-tqdm", "--num-warmups", "0", "--result-dir", str(tmp_path)]
+    with running_server("--kv-cache-memory", "16MiB", "--max-model-len", "512") as (url, _):
+        main(["bench", "serve", "--base-url", url, *common, "--result-filename", "ok.json", "--temperature", "0.9",
+              "--top-k", "5", "--min-p", "0.1", "--extra-body", '{"allowed_token_ids": [30, 31]}'])
+        main(["bench", "serve", "--base-url", url, *common, "--result-filename", "refused.json",
+              "--extra-body", '{"bad_words": [""]}'])
+    ok, refused = (json.loads((tmp_path / f).read_text()) for f in ("ok.json", "refused.json"))
+    assert ok["completed"] == 4 and refused["failed"] == 4 and "bad_words" in refused["errors"][0]
+    for flags, words in ((["--top-p", "1.5"], "--top-p: top_p must be in (0, 1]"),
+                         (["--extra-body", '{"max_tokens": 9}'], "--extra-body: max_tokens is set by the benchmark"),
+                         (["--extra-body", "{x"], "--extra-body: '{x' is not JSON")):
+        with pytest.raises(SystemExit):
+            main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *common, *flags])
+        assert words in capsys.readouterr().err
+
+
 def test_bench_serve_warms_up_on_a_prompt_it_does_not_measure(tmp_path, capsys):
     """The warm-up request leaves nothing in the prefix cache that a measured prompt could hit, so the first
     measured request's TTFT is a full prefill's; as a text prompt it is about as long as the first one (the

@@ -15,6 +15,50 @@ from pagedserve.errors import ConfigError
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the APIs bench serve and sweep drive
 
 
+# what the benchmark itself sets in a request: --extra-body may not change them
+_MEASURED_FIELDS = ("model", "prompt", "messages", "input", "max_tokens", "max_completion_tokens",
+                    "max_output_tokens", "stream", "stream_options", "ignore_eos")
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    """How each request samples (vLLM bench's flags), for the clients that send them."""
+    r = p.add_argument_group("requests")
+    r.add_argument("--temperature", type=float, default=0.0, help="Every request's temperature (0: greedy).")
+    r.add_argument("--top-p", type=float, default=None)
+    r.add_argument("--top-k", type=int, default=None)
+    r.add_argument("--min-p", type=float, default=None)
+    r.add_argument("--extra-body", default=None,
+                   help="JSON fields added to every request, e.g. '{\"chat_template_kwargs\": {\"enable_thinking\": "
+                        "false}}' for Qwen3 over /v1/chat/completions.")
+
+
+def request_sampling(ns: argparse.Namespace) -> dict:
+    """The sampling fields and --extra-body that go into every request, checked by the rules the server applies
+    (pagedserve's ranges are vLLM's), so a bad value stops the command before any request or server starts."""
+    from pagedserve.errors import InvalidRequestError
+    from pagedserve.sampling_params import SamplingParams
+
+    given = {k: v for k in ("temperature", "top_p", "top_k", "min_p") if (v := getattr(ns, k)) is not None}
+    try:
+        SamplingParams(**given)
+    except InvalidRequestError as e:
+        raise ConfigError(f"--{e.param.replace('_', '-')}: {e}") from None
+    extra = {}
+    if ns.extra_body is not None:
+        try:
+            extra = json.loads(ns.extra_body)
+        except ValueError as e:
+            raise ConfigError(f"--extra-body: {ns.extra_body!r} is not JSON ({e}).") from None
+        if not isinstance(extra, dict):
+            raise ConfigError(f"--extra-body: {ns.extra_body!r} is not a JSON object of request fields.")
+        taken = sorted(set(extra) & set(_MEASURED_FIELDS))
+        if taken:
+            raise ConfigError(f"--extra-body: {', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by the "
+                              f"benchmark, which streams every request and takes its lengths from the dataset flags; leave "
+                              f"{'it' if len(taken) == 1 else 'them'} out.")
+    return {**given, **extra}
+
+
 def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: bool = True,
                       short_lens: bool = False) -> None:
     """Dataset flags; ``client``: also --seed and --tokenizer (bench throughput has the engine's);
@@ -69,6 +113,7 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--metric-percentiles/--goodput: {e}") from e
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ConfigError("--metric-percentiles must be in [0, 100].")
+    sampling = request_sampling(ns)
     if ns.replay_arrivals:
         require_recording(ns, "--replay-arrivals")
     if ns.replay_arrivals and not math.isinf(ns.request_rate):
@@ -88,8 +133,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     cfg = BenchConfig(base_url=base, endpoint=ns.endpoint, model=model, request_rate=ns.request_rate,
                       burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, arrivals=arrivals,
                       replay_speed=ns.replay_speed if ns.replay_arrivals else None,
-                      ignore_eos=ns.ignore_eos or ns.dataset_name in LENGTH_DATASETS, seed=ns.seed,
-                      num_warmups=ns.num_warmups, api_key=ns.api_key, show_progress=not ns.disable_tqdm)
+                      ignore_eos=ns.ignore_eos or ns.dataset_name in LENGTH_DATASETS, sampling=sampling,
+                      seed=ns.seed, num_warmups=ns.num_warmups, api_key=ns.api_key, show_progress=not ns.disable_tqdm)
     result = asyncio.run(run_benchmark(cfg, samples, percentiles, pct_metrics, goodput))
     print(format_table(result, pct_metrics, percentiles))
     hits = result.get("server_prefix_cache_hit_rate")
@@ -227,6 +272,7 @@ def add_ladder_args(p: argparse.ArgumentParser, client: bool = True) -> None:
     lad.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                      help="POST /reset_prefix_cache before each rung, where the server has it.")
     lad.add_argument("--ignore-eos", action="store_true", help="Always on for the random dataset.")
+    _add_request_args(p)
     k = p.add_argument_group("knee and recommendation")
     k.add_argument("--slo", nargs="+", default=None,
                    help="Limits in ms a recommended rung must meet, e.g. ttft_p95=500 itl_p95=50 e2el_p99=10000.")
@@ -288,6 +334,7 @@ def add_bench_parser(sub) -> None:
                    help="With --replay-arrivals: how much faster than recorded (2: the gaps halved).")
     s.add_argument("--max-concurrency", type=positive_int, default=None, help="Most requests in flight from this client.")
     s.add_argument("--ignore-eos", action="store_true", help="Always on for the random dataset.")
+    _add_request_args(s)
     s.add_argument("--num-warmups", type=non_negative_int, default=1,
                    help="Unmeasured requests before the run (the first prompt with its halves swapped, so "
                         "no measured prompt finds it cached).")

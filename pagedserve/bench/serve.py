@@ -12,7 +12,7 @@ import asyncio
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import numpy as np
@@ -36,6 +36,7 @@ class BenchConfig:
     arrivals: list[float] | None = None  # each request's send offset (a replayed recording), over the rate
     replay_speed: float | None = None
     ignore_eos: bool = False
+    sampling: dict = field(default_factory=lambda: {"temperature": 0.0})  # and --extra-body: in every request
     seed: int = 0
     num_warmups: int = 1
     api_key: str | None = None
@@ -73,12 +74,13 @@ RESPONSES_TOKEN_EVENTS = ("response.output_text.delta", "response.reasoning_text
 
 
 def request_body(cfg: BenchConfig, sample: SampleRequest) -> dict:
-    """One streamed request of ``sample`` to ``cfg.endpoint``, greedy, run to its output length."""
+    """One streamed request of ``sample`` to ``cfg.endpoint``, with the run's sampling (greedy unless told), run to
+    its output length."""
     text = sample.prompt if isinstance(sample.prompt, str) else " ".join(map(str, sample.prompt))
     if cfg.endpoint.endswith("/responses"):
-        return {"model": cfg.model, "input": text, "max_output_tokens": sample.expected_output_len,
-                "temperature": 0.0, "stream": True, "ignore_eos": cfg.ignore_eos}
-    body = {"model": cfg.model, "max_tokens": sample.expected_output_len, "temperature": 0.0, "stream": True,
+        return {**cfg.sampling, "model": cfg.model, "input": text, "max_output_tokens": sample.expected_output_len,
+                "stream": True, "ignore_eos": cfg.ignore_eos}
+    body = {**cfg.sampling, "model": cfg.model, "max_tokens": sample.expected_output_len, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos}
     if cfg.endpoint.endswith("/chat/completions"):
         body["messages"] = [{"role": "user", "content": text}]

@@ -95,6 +95,7 @@ class Target:
     seed: int = 0
     goodput: dict[str, float] = field(default_factory=dict)
     show_progress: bool = False
+    sampling: dict = field(default_factory=lambda: {"temperature": 0.0})  # and --extra-body: in every request
 
 
 def aggregate(repeats: list[dict]) -> dict:
@@ -157,7 +158,8 @@ async def run_rung(target: Target, plan: SweepPlan, index: int, load: float,
         return BenchConfig(base_url=target.base_url, endpoint=target.endpoint, model=target.model,
                            request_rate=load if plan.mode == "rate" else math.inf, burstiness=target.burstiness,
                            max_concurrency=int(load) if closed else None, arrivals=sends,
-                           replay_speed=load if replay else None, ignore_eos=target.ignore_eos, seed=arrivals,
+                           replay_speed=load if replay else None, ignore_eos=target.ignore_eos,
+                           sampling=target.sampling, seed=arrivals,
                            num_warmups=0, api_key=target.api_key, show_progress=False), samples
 
     prefix = await _reset_prefix_cache(target) if plan.reset_prefix_cache else "off"
@@ -340,10 +342,12 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
     server started for it, or, with ``simulate`` (a ``sim.ladder.Simulation``), against the engine's own
     scheduler on that calibration's cost model. sweep.json is rewritten after every rung and every artefact
     after every ladder, so a sweep cut short keeps what it measured. Returns sweep.json's document."""
+    from pagedserve.bench.cli import request_sampling
     from pagedserve.bench.datasets import announce_dataset, client_tokenizer
     from pagedserve.bench.launch import LocalServer
     from pagedserve.bench.report import write_artefacts
 
+    sampling = request_sampling(ns)
     announce_dataset(ns)
     target_doc = ({"base_url": base_url} if base_url else
                   {"command": ["pagedserve", "serve", ns.model, *serve_flags]})
@@ -367,7 +371,7 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
 
     def over_http(url: str) -> Callable[[int, float], dict]:
         target = Target(url, ns.model, ns.endpoint, ns.api_key, ns.ignore_eos or ns.dataset_name in LENGTH_DATASETS,
-                        ns.burstiness, ns.seed, goodput, show_progress=not ns.disable_tqdm)
+                        ns.burstiness, ns.seed, goodput, show_progress=not ns.disable_tqdm, sampling=sampling)
         return lambda i, load: asyncio.run(run_rung(target, plan, i, load, draw, replay_for))
 
     def ladder(measure: Callable[[int, float], dict], label: str, value: str | None, extra: dict) -> None:
