@@ -51,7 +51,7 @@ def parse_size(value: str | int | float | None, what: str) -> int | None:
 # Model facts
 # --------------------------------------------------------------------------------------------------
 
-_SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+_SUPPORTED_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"}
 _REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # rotary scalings, with the numbers each needs besides its factor, and those it may give
 _ROPE_NEEDS = {"linear": (), "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -81,6 +81,13 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None  # the keys a query sees, where the model limits them
+    # a mixture of experts (Mixtral, Qwen3-MoE): its experts, those each token takes, each expert's MLP width,
+    # whether the chosen experts' weights are renormalised to sum to 1, and the layers that have them
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    renormalize_experts: bool = False
+    sparse_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -105,7 +112,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        return cls(**_experts(cfg, model_type), 
             model_type=model_type,
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -121,7 +128,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias says so.
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             sliding_window=window,
@@ -157,10 +164,42 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * d
-        layer = attn + 3 * h * i + 2 * h
+        experts = self.num_experts * (3 * h * self.expert_intermediate_size + h)  # and the router's row each
+        sparse = len(self.sparse_layers)
+        layers = self.num_layers * (attn + 2 * h) + (self.num_layers - sparse) * 3 * h * i + sparse * experts
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * layer + embed + head + h
+        return layers + embed + head + h
+
+    @property
+    def mlp_rows_width(self) -> int:
+        """The widest MLP activation a token makes: a dense layer's, or its experts' side by side."""
+        sparse = self.experts_per_token * self.expert_intermediate_size if self.sparse_layers else 0
+        dense = self.intermediate_size if len(self.sparse_layers) < self.num_layers else 0
+        return max(sparse, dense)
+
+
+def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A mixture of experts' facts as ``ModelConfig`` takes them (none for a dense model): Mixtral's in every
+    layer, renormalised; Qwen3-MoE's in every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    mixtral = model_type == "mixtral"
+    facts = {"num_experts": cfg.get("num_experts", cfg.get("num_local_experts")),  # transformers 5 writes the latter
+             "experts_per_token": cfg.get("num_experts_per_tok"),
+             "expert_intermediate_size": cfg.get("intermediate_size" if mixtral else "moe_intermediate_size"),
+             "decoder_sparse_step": 1 if mixtral else cfg.get("decoder_sparse_step", 1)}
+    for key, value in facts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"config.json: a {model_type} checkpoint gives its {key} as a positive integer, not "
+                              f"{value!r}.")
+    if facts["experts_per_token"] > facts["num_experts"]:
+        raise ConfigError(f"config.json: num_experts_per_tok {facts['experts_per_token']} is more than the "
+                          f"{facts['num_experts']} experts.")
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = facts.pop("decoder_sparse_step")
+    layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return {**facts, "renormalize_experts": mixtral or bool(cfg.get("norm_topk_prob", False)), "sparse_layers": layers}
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
@@ -438,8 +477,8 @@ class EngineArgs:
         self._check_types()
         if self.trust_remote_code:
             raise ConfigError(f"{flag('trust_remote_code')}: pagedserve never runs code from a model folder; it serves "
-                              f"Llama, Mistral, Qwen2 and Qwen3 from config.json and the weights alone. Leave the "
-                              f"flag out.")
+                              f"Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE from config.json and the weights "
+                              f"alone. Leave the flag out.")
         if self.quantization not in (None, "none"):
             raise ConfigError(f"{flag('quantization')} {self.quantization}: quantized weights do not run here (only "
                               f"16- and 32-bit weights do). To save memory, --kv-cache-dtype fp8 halves the KV cache.")
@@ -465,6 +504,12 @@ class EngineArgs:
                 f"{flag('tensor_parallel_size')}: {size} must be >= 1 and divide the {m.num_heads} attention heads, "
                 f"the MLP width {m.intermediate_size} and the vocabulary {m.vocab_size}, and divide or be a "
                 f"multiple of the {m.num_kv_heads} KV heads.")
+        if m.sparse_layers and size > 1:
+            raise ConfigError(f"{flag('tensor_parallel_size')}: {size}: a mixture-of-experts model ({m.model_type}) "
+                              f"runs on one GPU here; leave the flag out, or use a GPU that holds it.")
+        if m.sparse_layers and device.type == "cuda" and dtype != torch.bfloat16:
+            raise ConfigError(f"{flag('dtype')}: a mixture-of-experts model runs its experts as grouped GEMMs, which "
+                              f"take bfloat16 on a GPU; use --dtype bfloat16.")
         if device.type == "cuda" and not plan_for and size > (gpus := torch.cuda.device_count()):
             # a rank a GPU: a rank without one would fail in its own process while the others wait for it
             raise ConfigError(

@@ -54,10 +54,12 @@ def weight_bytes(model: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
 def activation_peak_estimate(model: ModelConfig, num_tokens: int, num_seqs: int, dtype: torch.dtype,
                              tp: int = 1) -> int:
     """Peak activation bytes of one forward pass over ``num_tokens`` tokens plus sampling ``num_seqs``
-    rows: the MLP holds x, the residual, gate|up and silu(gate)*up per token; the sampler holds the
-    logits in the model dtype and three float32 copies (logits, probabilities, noise)."""
+    rows: the MLP holds x, the residual, gate|up and silu(gate)*up per token (a mixture of experts, those of
+    each expert a token takes, and its rows in and out of them); the sampler holds the logits in the model dtype
+    and three float32 copies (logits, probabilities, noise)."""
     b = dtype_bytes(dtype)
-    per_token = (2 * model.hidden_size + 3 * model.intermediate_size // tp) * b
+    expert_rows = 2 * model.experts_per_token * model.hidden_size if model.sparse_layers else 0
+    per_token = (2 * model.hidden_size + 3 * model.mlp_rows_width // tp + expert_rows) * b
     sampler = num_seqs * model.vocab_size * (b + 3 * 4)
     return num_tokens * per_token + sampler
 

@@ -103,9 +103,10 @@ def test_the_shipped_model_facts_give_the_checkpoints_parameter_counts():
     one H200 in 16 bits and does on two."""
     exact = {"meta-llama/Llama-3.2-1B": 1_235_814_400, "meta-llama/Llama-3.2-3B": 3_212_749_824,
              "meta-llama/Llama-3.1-8B": 8_030_261_248, "meta-llama/Llama-3.1-70B": 70_553_706_496,
-             "mistralai/Mistral-7B-v0.3": 7_248_023_552, "Qwen/Qwen2.5-7B-Instruct": 7_615_616_512}
+             "mistralai/Mistral-7B-v0.3": 7_248_023_552, "Qwen/Qwen2.5-7B-Instruct": 7_615_616_512,
+             "mistralai/Mixtral-8x7B-v0.1": 46_702_792_704}
     cards = {"Qwen/Qwen3-0.6B": 0.6, "Qwen/Qwen3-1.7B": 1.7, "Qwen/Qwen3-4B": 4.0, "Qwen/Qwen3-8B": 8.2,
-             "Qwen/Qwen3-14B": 14.8, "Qwen/Qwen3-32B": 32.8}
+             "Qwen/Qwen3-14B": 14.8, "Qwen/Qwen3-32B": 32.8, "Qwen/Qwen3-30B-A3B": 30.5}
     assert set(exact) | set(cards) == set(KNOWN_MODELS)
     for name, facts in KNOWN_MODELS.items():
         params = ModelConfig.from_hf_dict(facts).num_params()

@@ -15,11 +15,6 @@ from pagedserve.errors import ConfigError
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the APIs bench serve and sweep drive
 
 
-# what the benchmark itself sets in a request: --extra-body may not change them
-_MEASURED_FIELDS = ("model", "prompt", "messages", "input", "max_tokens", "max_completion_tokens",
-                    "max_output_tokens", "stream", "stream_options", "ignore_eos")
-
-
 def _add_request_args(p: argparse.ArgumentParser) -> None:
     """How each request samples (vLLM bench's flags), for the clients that send them."""
     r = p.add_argument_group("requests")
@@ -30,33 +25,6 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--extra-body", default=None,
                    help="JSON fields added to every request, e.g. '{\"chat_template_kwargs\": {\"enable_thinking\": "
                         "false}}' for Qwen3 over /v1/chat/completions.")
-
-
-def request_sampling(ns: argparse.Namespace) -> dict:
-    """The sampling fields and --extra-body that go into every request, checked by the rules the server applies
-    (pagedserve's ranges are vLLM's), so a bad value stops the command before any request or server starts."""
-    from pagedserve.errors import InvalidRequestError
-    from pagedserve.sampling_params import SamplingParams
-
-    given = {k: v for k in ("temperature", "top_p", "top_k", "min_p") if (v := getattr(ns, k)) is not None}
-    try:
-        SamplingParams(**given)
-    except InvalidRequestError as e:
-        raise ConfigError(f"--{e.param.replace('_', '-')}: {e}") from None
-    extra = {}
-    if ns.extra_body is not None:
-        try:
-            extra = json.loads(ns.extra_body)
-        except ValueError as e:
-            raise ConfigError(f"--extra-body: {ns.extra_body!r} is not JSON ({e}).") from None
-        if not isinstance(extra, dict):
-            raise ConfigError(f"--extra-body: {ns.extra_body!r} is not a JSON object of request fields.")
-        taken = sorted(set(extra) & set(_MEASURED_FIELDS))
-        if taken:
-            raise ConfigError(f"--extra-body: {', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by the "
-                              f"benchmark, which streams every request and takes its lengths from the dataset flags; leave "
-                              f"{'it' if len(taken) == 1 else 'them'} out.")
-    return {**given, **extra}
 
 
 def _add_dataset_args(p: argparse.ArgumentParser, client: bool, num_prompts: bool = True,
@@ -98,7 +66,8 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     from pagedserve.bench.datasets import (LENGTH_DATASETS, announce_dataset, client_tokenizer, load_dataset,
                                            replayed_lengths, require_recording)
     from pagedserve.bench.metrics import METRIC_KEYS, parse_goodput
-    from pagedserve.bench.serve import BenchConfig, format_table, run_benchmark, served_model
+    from pagedserve.bench.serve import (BenchConfig, format_table, request_sampling, run_benchmark,
+                                        served_model)
 
     if not ns.request_rate > 0:  # nan fails it too
         raise ConfigError("--request-rate must be above 0 (inf: all at once).")

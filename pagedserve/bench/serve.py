@@ -8,6 +8,7 @@ depth, which a client alone cannot see.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -20,7 +21,8 @@ from tqdm.auto import tqdm
 
 from pagedserve.bench.datasets import SampleRequest
 from pagedserve.bench.metrics import RequestResult, calculate_metrics, histogram_quantile, scrape
-from pagedserve.errors import BenchmarkError
+from pagedserve.errors import BenchmarkError, ConfigError, InvalidRequestError
+from pagedserve.sampling_params import SamplingParams
 
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 
@@ -71,6 +73,35 @@ def replayed_rate(offsets: list[float]) -> float | str:
 # the Responses events that carry generated tokens (TTFT at the first, ITL between them)
 RESPONSES_TOKEN_EVENTS = ("response.output_text.delta", "response.reasoning_text.delta",
                           "response.function_call_arguments.delta", "response.refusal.delta")
+
+
+# what the benchmark itself sets in a request: --extra-body may not change them
+_MEASURED_FIELDS = ("model", "prompt", "messages", "input", "max_tokens", "max_completion_tokens",
+                    "max_output_tokens", "stream", "stream_options", "ignore_eos")
+
+
+def request_sampling(ns: argparse.Namespace) -> dict:
+    """The sampling fields and --extra-body that go into every request, checked by the rules the server applies
+    (pagedserve's ranges are vLLM's), so a bad value stops the command before any request or server starts."""
+    given = {k: v for k in ("temperature", "top_p", "top_k", "min_p") if (v := getattr(ns, k)) is not None}
+    try:
+        SamplingParams(**given)
+    except InvalidRequestError as e:
+        raise ConfigError(f"--{e.param.replace('_', '-')}: {e}") from None
+    extra = {}
+    if ns.extra_body is not None:
+        try:
+            extra = json.loads(ns.extra_body)
+        except ValueError as e:
+            raise ConfigError(f"--extra-body: {ns.extra_body!r} is not JSON ({e}).") from None
+        if not isinstance(extra, dict):
+            raise ConfigError(f"--extra-body: {ns.extra_body!r} is not a JSON object of request fields.")
+        taken = sorted(set(extra) & set(_MEASURED_FIELDS))
+        if taken:
+            raise ConfigError(f"--extra-body: {', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by the "
+                              f"benchmark, which streams every request and takes its lengths from the dataset flags; "
+                              f"leave {'it' if len(taken) == 1 else 'them'} out.")
+    return {**given, **extra}
 
 
 def request_body(cfg: BenchConfig, sample: SampleRequest) -> dict:

@@ -27,7 +27,7 @@ import pagedserve
 from pagedserve.bench.datasets import LENGTH_DATASETS, SampleRequest, require_recording
 from pagedserve.bench.knee import LADDERS, KneeSettings, find_knee, parse_slo, tightest_slo
 from pagedserve.bench.metrics import METRIC_KEYS
-from pagedserve.bench.serve import BenchConfig, run_benchmark
+from pagedserve.bench.serve import BenchConfig, request_sampling, run_benchmark
 from pagedserve.errors import BenchmarkError, ConfigError
 
 PERCENTILES = [50.0, 95.0, 99.0]
@@ -342,7 +342,6 @@ def run_sweep(ns: argparse.Namespace, plan: SweepPlan, folder: Path, *, base_url
     server started for it, or, with ``simulate`` (a ``sim.ladder.Simulation``), against the engine's own
     scheduler on that calibration's cost model. sweep.json is rewritten after every rung and every artefact
     after every ladder, so a sweep cut short keeps what it measured. Returns sweep.json's document."""
-    from pagedserve.bench.cli import request_sampling
     from pagedserve.bench.datasets import announce_dataset, client_tokenizer
     from pagedserve.bench.launch import LocalServer
     from pagedserve.bench.report import write_artefacts

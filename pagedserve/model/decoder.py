@@ -1,7 +1,9 @@
-"""One decoder for the Llama family: Llama (and Mistral), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""One decoder for the Llama family: Llama (and Mistral), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and their
+mixtures of experts, Mixtral and Qwen3-MoE (a ``SparseMoE`` in place of the MLP).
 
-The three differ only in flags of ``ModelConfig``. q/k/v are one merged projection and gate/up another;
-the loader maps Hugging Face's separate tensors into them (``PACKED_WEIGHTS``).
+They differ only in fields of ``ModelConfig``. q/k/v are one merged projection and gate/up another; the loader
+maps Hugging Face's separate tensors into them (``PACKED_WEIGHTS``), and each layer's experts into two stacked
+tensors.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from torch import nn
 from pagedserve.config import ModelConfig
 from pagedserve.memory import kv_heads_per_rank
 from pagedserve.model.attention import AttentionBackend, AttentionMetadata
-from pagedserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_project
+from pagedserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, norm_project
 from pagedserve.model.parallel import all_gather_last_dim, all_reduce, tp
 
 # Hugging Face tensor name fragment -> (our parameter fragment, shard index in the merged tensor)
@@ -69,10 +71,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int):
         super().__init__()
         self.self_attn = Attention(config, rotary, backend)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp().size)
+        if index in config.sparse_layers:
+            self.mlp = SparseMoE(config.hidden_size, config.expert_intermediate_size, config.num_experts,
+                                 config.experts_per_token, config.renormalize_experts)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp().size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -107,7 +113,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
@@ -137,7 +143,9 @@ class DecoderForCausalLM(nn.Module):
         return all_gather_last_dim(self.lm_head(hidden))
 
     def shard_sizes(self, packed: str) -> list[int]:
-        """Row sizes of the shards of a merged parameter (q/k/v or gate/up)."""
+        """Row sizes of the shards of a merged parameter (q/k/v, gate/up, or an expert's gate/up)."""
         if packed == "qkv_proj":
             return self.model.layers[0].self_attn.shard_sizes()
+        if packed == "w13":
+            return [self.config.expert_intermediate_size] * 2
         return [self.config.intermediate_size // tp().size] * 2

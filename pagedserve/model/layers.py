@@ -164,3 +164,40 @@ class GatedMLP(nn.Module):
             return all_reduce(down(fused.silu_mul(h))), residual
         gate, up = h.chunk(2, dim=-1)
         return all_reduce(down(F.silu(gate) * up)), residual
+
+
+# torch's grouped GEMM: public from torch 2.10 on, private before
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+class SparseMoE(nn.Module):
+    """A mixture of SwiGLU experts (Mixtral, Qwen3-MoE): a router scores the experts for each token, the top k run
+    and their outputs are summed by the router's softmax weights (renormalised over the k where the model says).
+
+    The token rows are sorted by expert and each expert's rows go through its weights in one grouped GEMM (gate|up,
+    then down): every shape is a step's token count times k whatever the routing, so a step of a size replays as
+    one CUDA graph."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Linear(hidden, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [gate; up] of each expert
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))       # down
+
+    def forward(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' weighted sum for norm(x + residual), and the new residual."""
+        x, residual = norm(x, residual)
+        weights, chosen = self.gate(x).float().softmax(dim=-1).topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        experts = chosen.flatten()
+        order = experts.argsort(stable=True)
+        token = order // self.top_k  # the token of each row, rows grouped by expert
+        # where each expert's rows end (sorted counts, no host sync: a bincount would size its output on the host)
+        ends = torch.searchsorted(experts[order], torch.arange(1, len(self.w13) + 1, device=x.device)).to(torch.int32)
+        h = _grouped_mm(x[token], self.w13.transpose(1, 2), offs=ends)
+        gate, up = h.chunk(2, dim=-1)
+        out = _grouped_mm((F.silu(gate) * up).contiguous(), self.w2.transpose(1, 2), offs=ends)
+        out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token, out), residual

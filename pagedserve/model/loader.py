@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -74,28 +75,34 @@ def load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
                 if "rotary_emb" in hf_name or (tied and hf_name == "lm_head.weight"):
                     continue
                 tensor = _rank_slice(hf_name, f.get_slice(hf_name), model.config)
-                name, shard = _map_name(hf_name)
+                name, expert, shard = _map_name(hf_name)
                 if name not in params:
                     raise ConfigError(f"checkpoint tensor {hf_name!r} in {file.name} has no place in this "
                                       f"{model.config.model_type} model: is config.json the right one?")
                 target = params[name]
+                if expert is not None:
+                    if expert >= len(target):
+                        raise ConfigError(f"checkpoint tensor {hf_name!r} names expert {expert}; config.json gives "
+                                          f"{len(target)}.")
+                    target = target[expert]
                 if shard is not None:
-                    packed = name.split(".")[-2]
-                    sizes = model.shard_sizes(packed)
-                    start = sum(sizes[:shard])
-                    target = target.narrow(0, start, sizes[shard])
+                    sizes = model.shard_sizes(name.split(".")[-1 if expert is not None else -2])
+                    target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
                 if target.shape != tensor.shape:
                     raise ConfigError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                       f"expected {tuple(target.shape)}: config.json does not match the weights.")
                 target.copy_(tensor)
-                loaded.add(name if shard is None else f"{name}#{shard}")
+                loaded.add(name + "".join(f"#{i}" for i in (expert, shard) if i is not None))
     expected = set()
-    for name in params:
-        packed = name.split(".")[-2] if name.endswith((".weight", ".bias")) else ""
-        if packed in ("qkv_proj", "gate_up_proj"):
-            expected.update(f"{name}#{i}" for i in range(len(model.shard_sizes(packed))))
-        else:
-            expected.add(name)
+    for name, p in params.items():
+        last = name.split(".")[-1]
+        packed = name.split(".")[-2] if last in ("weight", "bias") else last
+        pieces = [""]
+        if last in ("w13", "w2"):
+            pieces = [f"#{e}" for e in range(len(p))]
+        if packed in ("qkv_proj", "gate_up_proj", "w13"):
+            pieces = [f"{piece}#{i}" for piece in pieces for i in range(len(model.shard_sizes(packed)))]
+        expected.update(name + piece for piece in pieces)
     missing = sorted(expected - loaded)
     if missing:
         raise ConfigError(f"checkpoint in {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[:3]}.")
@@ -128,8 +135,20 @@ def _rank_slice(hf_name: str, sl, cfg) -> torch.Tensor:
     return sl[:]
 
 
-def _map_name(hf_name: str) -> tuple[str, int | None]:
+# an expert's tensor: Qwen3-MoE's mlp.experts.E.{gate,up,down}_proj, Mixtral's block_sparse_moe.experts.E.w{1,3,2}
+_EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PARTS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+                 "down_proj": ("w2", None), "w2": ("w2", None)}
+
+
+def _map_name(hf_name: str) -> tuple[str, int | None, int | None]:
+    """Our parameter for a checkpoint tensor, the expert it is one of (None: not an expert's), and its shard of
+    a merged tensor (None: the whole of it)."""
+    if m := _EXPERT.search(hf_name):
+        param, shard = _EXPERT_PARTS[m.group(2)]
+        return f"{hf_name[:m.start()]}.mlp.{param}", int(m.group(1)), shard
+    hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router
     for part, (packed, shard) in PACKED_WEIGHTS.items():
         if f".{part}." in hf_name:
-            return hf_name.replace(f".{part}.", f".{packed}."), shard
-    return hf_name, None
+            return hf_name.replace(f".{part}.", f".{packed}."), None, shard
+    return hf_name, None, None
