@@ -166,8 +166,8 @@ class GatedMLP(nn.Module):
         return all_reduce(down(F.silu(gate) * up)), residual
 
 
-# torch's grouped GEMM: public from torch 2.10 on, private before
-_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+# torch's grouped GEMM: public in newer releases, private from 2.8 (the engine refuses experts without it)
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 class SparseMoE(nn.Module):
