@@ -507,7 +507,7 @@ class EngineArgs:
         if m.sparse_layers and size > 1:
             raise ConfigError(f"{flag('tensor_parallel_size')}: {size}: a mixture-of-experts model ({m.model_type}) "
                               f"runs on one GPU here; leave the flag out, or use a GPU that holds it.")
-        if m.sparse_layers and not hasattr(torch, "_grouped_mm"):
+        if m.sparse_layers and not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
             raise ConfigError(f"A mixture-of-experts model ({m.model_type}) runs its experts as torch's grouped GEMMs, "
                               f"which torch {torch.__version__} lacks; install torch 2.8 or newer.")
         if m.sparse_layers and device.type == "cuda" and dtype != torch.bfloat16:
