@@ -504,9 +504,9 @@ class EngineArgs:
                 f"{flag('tensor_parallel_size')}: {size} must be >= 1 and divide the {m.num_heads} attention heads, "
                 f"the MLP width {m.intermediate_size} and the vocabulary {m.vocab_size}, and divide or be a "
                 f"multiple of the {m.num_kv_heads} KV heads.")
-        if m.sparse_layers and size > 1:
-            raise ConfigError(f"{flag('tensor_parallel_size')}: {size}: a mixture-of-experts model ({m.model_type}) "
-                              f"runs on one GPU here; leave the flag out, or use a GPU that holds it.")
+        if m.sparse_layers and m.expert_intermediate_size % size:
+            raise ConfigError(f"{flag('tensor_parallel_size')}: {size} must divide the experts' MLP width "
+                              f"{m.expert_intermediate_size} (each rank holds a slice of every expert).")
         if m.sparse_layers and not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
             raise ConfigError(f"A mixture-of-experts model ({m.model_type}) runs its experts as torch's grouped GEMMs, "
                               f"which torch {torch.__version__} lacks; install torch 2.8 or newer.")

@@ -77,6 +77,7 @@ def test_dummy_weights_of_a_real_architecture():
 def test_a_mixture_of_experts_checkpoint_is_checked_expert_by_expert(tmp_path, checkpoints):
     """Each expert's tensors land in the layer's stacked weights: one missing is named, a checkpoint with more
     experts than config.json says is refused, and so are the settings its grouped GEMMs cannot run with."""
+    from pagedserve.config import EngineArgs
     from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "missing"
@@ -92,13 +93,12 @@ def test_a_mixture_of_experts_checkpoint_is_checked_expert_by_expert(tmp_path, c
     (fewer / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 2}))
     with pytest.raises(ConfigError, match="names expert 2; config.json gives 2"):
         LLM(str(fewer), kv_cache_memory="4MiB")
-    with pytest.raises(ConfigError, match="mixture-of-experts model .qwen3_moe. runs on one GPU"):
-        LLM(str(checkpoints["qwen3_moe"]), kv_cache_memory="4MiB", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="2 must divide the experts' MLP width 33"):
+        EngineArgs(model=str(checkpoints["qwen3_moe"]), hf_overrides={"moe_intermediate_size": 33},
+                   tensor_parallel_size=2).create_config()
     many = {**json.loads((checkpoints["qwen3_moe"] / "config.json").read_text()), "num_experts_per_tok": 9}
     (tmp_path / "config.json").write_text(json.dumps(many))
     with pytest.raises(ConfigError, match="num_experts_per_tok 9 is more than the 8 experts"):
         LLM(str(tmp_path), load_format="dummy", kv_cache_memory="4MiB")
-    from pagedserve.config import EngineArgs
-
     with pytest.raises(ConfigError, match="take bfloat16 on a GPU; use --dtype bfloat16"):
         EngineArgs(model="mistralai/Mixtral-8x7B-v0.1", dtype="float16").create_config(plan_for="cuda")

@@ -75,8 +75,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, rotary, backend)
         if index in config.sparse_layers:
-            self.mlp = SparseMoE(config.hidden_size, config.expert_intermediate_size, config.num_experts,
-                                 config.experts_per_token, config.renormalize_experts)
+            width = config.expert_intermediate_size // tp().size
+            self.mlp = SparseMoE(config.hidden_size, width, config.num_experts, config.experts_per_token,
+                                 config.renormalize_experts)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp().size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -147,5 +148,5 @@ class DecoderForCausalLM(nn.Module):
         if packed == "qkv_proj":
             return self.model.layers[0].self_attn.shard_sizes()
         if packed == "w13":
-            return [self.config.expert_intermediate_size] * 2
+            return [self.config.expert_intermediate_size // tp().size] * 2
         return [self.config.intermediate_size // tp().size] * 2

@@ -176,7 +176,8 @@ class SparseMoE(nn.Module):
 
     The token rows are sorted by expert and each expert's rows go through its weights in one grouped GEMM (gate|up,
     then down): every shape is a step's token count times k whatever the routing, so a step of a size replays as
-    one CUDA graph."""
+    one CUDA graph. With tensor parallelism each rank holds a slice of every expert's width (as of a dense MLP) and
+    the partial sums are reduced."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
         super().__init__()
@@ -200,4 +201,4 @@ class SparseMoE(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         out = _grouped_mm((F.silu(gate) * up).contiguous(), self.w2.transpose(1, 2), offs=ends)
         out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token, out), residual
+        return all_reduce(torch.zeros_like(x).index_add_(0, token, out)), residual

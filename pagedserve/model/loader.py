@@ -110,8 +110,8 @@ def load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
 
 def _rank_slice(hf_name: str, sl, cfg) -> torch.Tensor:
     """This tensor-parallel rank's part of a checkpoint tensor, read without loading the rest: rows of
-    q/k/v, gate/up and the vocabulary; columns of o_proj and down_proj. KV heads are replicated when
-    there are fewer of them than ranks."""
+    q/k/v, gate/up (an expert's too) and the vocabulary; columns of o_proj and down_proj (an expert's too). KV
+    heads are replicated when there are fewer of them than ranks; a router is whole on every rank."""
     g = tp()
     if g.size == 1:
         return sl[:]
@@ -119,6 +119,10 @@ def _rank_slice(hf_name: str, sl, cfg) -> torch.Tensor:
     q_rows = cfg.num_heads // g.size * d
     kv_local = kv_heads_per_rank(cfg, g.size)
     kv_first = g.rank * cfg.num_kv_heads // g.size
+    if m := _EXPERT.search(hf_name):  # a slice of the expert's width, as of a dense MLP
+        width = cfg.expert_intermediate_size // g.size
+        start = g.rank * width
+        return sl[start:start + width] if _EXPERT_PARTS[m.group(2)][0] == "w13" else sl[:, start:start + width]
     width = cfg.intermediate_size // g.size
     vocab = cfg.vocab_size // g.size
     rows = {".q_proj.": (g.rank * q_rows, q_rows), ".k_proj.": (kv_first * d, kv_local * d),
