@@ -185,6 +185,7 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [gate; up] of each expert
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))       # down
+        self.register_buffer("after", torch.arange(1, num_experts + 1), persistent=False)  # each expert's id + 1
 
     def forward(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' weighted sum for norm(x + residual), and the new residual."""
@@ -196,7 +197,7 @@ class SparseMoE(nn.Module):
         order = experts.argsort(stable=True)
         token = order // self.top_k  # the token of each row, rows grouped by expert
         # where each expert's rows end (sorted counts, no host sync: a bincount would size its output on the host)
-        ends = torch.searchsorted(experts[order], torch.arange(1, len(self.w13) + 1, device=x.device)).to(torch.int32)
+        ends = torch.searchsorted(experts[order], self.after).to(torch.int32)
         h = _grouped_mm(x[token], self.w13.transpose(1, 2), offs=ends)
         gate, up = h.chunk(2, dim=-1)
         out = _grouped_mm((F.silu(gate) * up).contiguous(), self.w2.transpose(1, 2), offs=ends)
