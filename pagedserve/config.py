@@ -171,6 +171,11 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else embed
         return layers + embed + head + h
 
+    def active_params(self) -> int:
+        """The parameters one token computes with: a mixture of experts' untaken experts left out."""
+        idle = self.num_experts - self.experts_per_token
+        return self.num_params() - len(self.sparse_layers) * idle * 3 * self.hidden_size * self.expert_intermediate_size
+
     @property
     def mlp_rows_width(self) -> int:
         """The widest MLP activation a token makes: a dense layer's, or its experts' side by side."""

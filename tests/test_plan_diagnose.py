@@ -111,6 +111,11 @@ def test_the_shipped_model_facts_give_the_checkpoints_parameter_counts():
     for name, facts in KNOWN_MODELS.items():
         params = ModelConfig.from_hf_dict(facts).num_params()
         assert params == exact[name] if name in exact else round(params / 1e9, 1) == cards[name], (name, params)
+    active = {name: ModelConfig.from_hf_dict(KNOWN_MODELS[name]).active_params() for name in
+              ("Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen3-8B")}
+    # the model cards' active parameters: Qwen3-30B-A3B's "3.3B", Mixtral's "12.9B"
+    assert 3.3e9 <= active["Qwen/Qwen3-30B-A3B"] < 3.4e9 and round(active["mistralai/Mixtral-8x7B-v0.1"] / 1e8) == 129
+    assert active["Qwen/Qwen3-8B"] == ModelConfig.from_hf_dict(KNOWN_MODELS["Qwen/Qwen3-8B"]).num_params()
     one = make_plan(EngineArgs(model="meta-llama/Llama-3.1-70B"), gpu="H200-141GB")
     assert one.failures and "--tensor-parallel-size" in one.failures[0]
     two = make_plan(EngineArgs(model="meta-llama/Llama-3.1-70B", tensor_parallel_size=2, max_model_len=32768),

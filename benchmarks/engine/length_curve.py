@@ -42,7 +42,7 @@ def floors(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, length
            c: int, peaks: tuple[float, float, str]) -> tuple[float, float]:
     """(TTFT floor in s for one prompt alone, output tok/s ceiling at c sequences) at this length."""
     peak_flops, peak_bytes, _ = peaks
-    flops = 2 * model.num_params() * length + 2 * model.num_layers * model.num_heads * model.head_dim * length ** 2
+    flops = 2 * model.active_params() * length + 2 * model.num_layers * model.num_heads * model.head_dim * length ** 2
     mid = length + output_len // 2  # the average context over the decode
     step_bytes = weight_bytes(model, dtype) + c * mid * kv_bytes_per_token(model, kv_dtype)
     return flops / peak_flops, c / (step_bytes / peak_bytes)

@@ -91,7 +91,7 @@ def floors(model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, ins: l
     decodes' K/V) running beside the compute-bound part (projections and prompts' attention), whichever is
     longer: what an engine that overlaps a batch's attention with another's GEMMs could reach at most."""
     peak_flops, peak_bytes, preset = peaks
-    weights, flops_per_token = weight_bytes(model, dtype), 2 * model.num_params()
+    weights, flops_per_token = weight_bytes(model, dtype), 2 * model.active_params()
     projections = sum(max(weights / peak_bytes, flops_per_token * (pre + dec) / peak_flops) for _, pre, dec in steps)
     # a request's decodes read contexts of in + 1 ... in + out - 1 tokens (its first token ends the prompt)
     contexts = sum((o - 1) * i + o * (o - 1) // 2 for i, o in zip(ins, outs))
