@@ -353,36 +353,35 @@ class GenerationDefaults:
         return ", ".join(f"{k}={v}" for k, v in values.items())
 
 
+def _json_object(value: str | dict, field: str, example: str) -> dict:
+    """A flag's JSON object: text on the command line, a mapping as it is from Python or YAML."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{flag(field)}: {value!r} is not JSON ({e}); give an object such as '{example}'.") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag(field)}: {value!r} is not a JSON object; give one such as '{example}'.")
+    return value
+
+
 def _overridden(hf_config: dict, overrides: str | dict | None) -> dict:
     """config.json with --hf-overrides over it: a key's value replaces the file's, an object updates the file's
     object (so a rope scaling keeps the file's rope_theta beside it)."""
     if overrides is None:
         return hf_config
-    if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except ValueError as e:
-            raise ConfigError(f"{flag('hf_overrides')}: {overrides!r} is not JSON ({e}); give an object such as "
-                              f"'{{\"max_position_embeddings\": 65536}}'.") from e
-    if not isinstance(overrides, dict):
-        raise ConfigError(f"{flag('hf_overrides')}: {overrides!r} is not an object of config.json keys and values.")
     merged = dict(hf_config)
-    for key, value in overrides.items():
+    for key, value in _json_object(overrides, "hf_overrides", '{"max_position_embeddings": 65536}').items():
         old = merged.get(key)
         merged[key] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
     return merged
 
 
 def _override_mapping(value: str | dict) -> dict:
-    """--override-generation-config's value (JSON text on the command line, a mapping from Python or YAML)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ConfigError(f"{flag('override_generation_config')}: {value!r} is not JSON ({e}); give an object "
-                              f"such as '{{\"temperature\": 0.6}}'.") from e
+    """--override-generation-config's value, of the keys a generation config sets."""
+    value = _json_object(value, "override_generation_config", '{"temperature": 0.6}')
     allowed = (*_GENERATION_DEFAULTS, "max_new_tokens")
-    if not isinstance(value, dict) or set(value) - set(allowed):
+    if set(value) - set(allowed):
         raise ConfigError(f"{flag('override_generation_config')}: {value!r}: give an object of "
                           f"{', '.join(allowed)}.")
     return value

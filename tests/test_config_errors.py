@@ -33,7 +33,7 @@ def config_error(**kwargs) -> str:
     (dict(gpu_memory_utilization=1.5), ["--gpu-memory-utilization"]),
     (dict(max_model_len=100_000), ["--max-model-len", "100000", "2048", "--hf-overrides"]),
     (dict(hf_overrides="{rope"), ["--hf-overrides", "is not JSON"]),
-    (dict(hf_overrides="[1]"), ["--hf-overrides", "not an object"]),
+    (dict(hf_overrides="[1]"), ["--hf-overrides", "not a JSON object"]),
     (dict(hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}), ["'dynamic'", "yarn"]),
     (dict(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
      ["yarn rope scaling's original_max_position_embeddings is None"]),

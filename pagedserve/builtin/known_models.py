@@ -35,6 +35,23 @@ _LLAMA3_COMMON = {
 }
 
 
+_MISTRAL_COMMON = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 32768,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
 def _llama3_rope(factor: float) -> dict:
     """Llama 3.1 / 3.2's long-context rotary scaling, which differs between them only by its factor."""
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -175,41 +192,17 @@ KNOWN_MODELS: dict[str, dict] = {
         "tie_word_embeddings": False,
     },
     "mistralai/Mistral-7B-v0.3": {
+        **_MISTRAL_COMMON,
         "model_type": "mistral",
         "architectures": ["MistralForCausalLM"],
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
         "vocab_size": 32768,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 32768,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
     },
-    "mistralai/Mixtral-8x7B-v0.1": {
+    "mistralai/Mixtral-8x7B-v0.1": {  # each of its 8 experts has Mistral 7B's MLP
+        **_MISTRAL_COMMON,
         "model_type": "mixtral",
         "architectures": ["MixtralForCausalLM"],
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
         "num_local_experts": 8,
         "num_experts_per_tok": 2,
         "vocab_size": 32000,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 32768,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
     },
 }
