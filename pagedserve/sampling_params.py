@@ -93,11 +93,10 @@ class SamplingParams:
         if self.structured_outputs is not None:
             self.structured_outputs = self._structured(self.structured_outputs)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = token_ids(self.allowed_token_ids) if isinstance(self.allowed_token_ids,
-                                                                                     (list, tuple)) else None
-            if not self.allowed_token_ids:
-                raise InvalidRequestError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token "
-                                                               "ids.")
+            ids = token_ids(self.allowed_token_ids) if isinstance(self.allowed_token_ids, (list, tuple)) else None
+            if not ids:
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+            self.allowed_token_ids = ids
         if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise bad("bad_words", "must be a list of words (non-empty strings)")

@@ -109,8 +109,8 @@ class EngineCounters:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, worker=None, log_budget: bool = True):
-        """``worker``: what executes the steps (default: a ``Worker`` on the configured device); anything
-        with its ``config``, ``budget``, ``execute``, ``device_memory``, ``reset_peak_memory`` and ``shutdown`` will do.
+        """``worker``: what executes the steps (default: a ``Worker`` on the configured device); anything with
+        its ``config``, ``budget``, ``execute``, ``device_memory``, ``reset_peak_memory`` and ``shutdown`` will do.
         ``log_budget=False``: a caller that builds many cores of one budget logs it once itself."""
         t0 = time.perf_counter()
         self.worker = worker if worker is not None else Worker(config)

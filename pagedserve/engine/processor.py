@@ -144,13 +144,15 @@ class InputProcessor:
 
     def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each word's token ids as it would start the text and as it would follow a space (the second only
-        where it differs in its first token and not in length, as vLLM reads them)."""
+        where it differs in its first token and not in length, as vLLM reads them); a word the tokenizer makes
+        nothing of cannot be written, and is left out."""
         tok = self._need_tokenizer("bad_words")
         found: list[tuple[int, ...]] = []
         for word in words:
             bare = tuple(tok.encode(word.lstrip(), add_special_tokens=False))
             spaced = tuple(tok.encode(" " + word.lstrip(), add_special_tokens=False))
-            found += [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+            found += [bare] if bare else []
+            found += [spaced] if bare and len(spaced) == len(bare) and spaced[0] != bare[0] else []
         return tuple(dict.fromkeys(found))
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
