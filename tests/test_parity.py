@@ -411,3 +411,26 @@ def test_vllm_token_constraints_and_prompt_truncation_over_http(server):
                          ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"), ({"bad_words": [""]}, "bad_words")):
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_prompt_logprobs_over_http_as_vllm_returns_them(server):
+    """prompt_logprobs N: each prompt token's logprob and rank and the top N, as the offline engine computes them
+    (a completion's in its choice, a chat's at the top); refused in a stream, where vLLM refuses them too."""
+    url, client = server
+    prompt = [5, 17, 42, 99, 3, 64]
+    got = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                                    "prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
+    want = LLM("tiny", kv_cache_memory="16MiB", max_model_len=1024).generate(
+        [prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    for position, token, entry in zip(got[1:], prompt[1:], want[1:]):
+        assert position[str(token)]["rank"] == entry[token].rank
+        assert position[str(token)]["logprob"] == pytest.approx(entry[token].logprob, abs=1e-4)
+        assert sum(v["rank"] <= 2 for v in position.values()) == 2
+        assert all("decoded_token" in v for v in position.values())
+    chat = httpx.post(f"{url}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "stream": True,
+                                                  "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"

@@ -81,6 +81,7 @@ class _SamplingFields(_Body):
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0)  # vLLM's: each prompt token's, and the top N
 
     def salted(self, prompt: str | list[int]) -> str | list[int] | dict:
         """The prompt as the engine takes it: with the request's cache salt, if it has one."""
@@ -98,6 +99,11 @@ class _SamplingFields(_Body):
         """``defaults``: the model's recommended values (generation_config.json) for the fields left unset."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "stream_options needs stream: true.")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs", "prompt_logprobs come whole with the answer, not in a "
+                                                         "stream: leave out stream, or prompt_logprobs.")
+        asked = [k for k in (prompt_logprobs, self.prompt_logprobs) if k is not None]  # echo's and the field's
+        prompt_logprobs = max(asked) if asked else None
         for name, value in (self.model_extra or {}).items():
             if name in _REFUSED and _REFUSED[name][0](value, self.n):
                 raise InvalidRequestError(name, _REFUSED[name][1])
