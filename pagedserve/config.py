@@ -51,7 +51,8 @@ def parse_size(value: str | int | float | None, what: str) -> int | None:
 # Model facts
 # --------------------------------------------------------------------------------------------------
 
-_SUPPORTED_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"}
+_SUPPORTED_TYPES = {"llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe"}
+_WINDOW_UNLESS_SAID = ("mistral", "mixtral", "phi3")  # their sliding_window applies without use_sliding_window
 _REQUIRED_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # rotary scalings, with the numbers each needs besides its factor, and those it may give
 _ROPE_NEEDS = {"linear": (), "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -98,7 +99,7 @@ class ModelConfig:
             raise ConfigError(
                 f"Unsupported architecture model_type={model_type!r} "
                 f"(supported: {', '.join(sorted(_SUPPORTED_TYPES))}).")
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type in _WINDOW_UNLESS_SAID) else None
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ConfigError(f"config.json: sliding_window is {window!r}; give a positive integer, or null for none.")
         if cfg.get("hidden_act", "silu") != "silu":
@@ -219,6 +220,10 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
                           f"place, e.g. --hf-overrides '{{\"rope_parameters\": {{\"rope_theta\": ...}}}}'.")
     if not _positive_number(rope_theta):
         raise ConfigError(f"config.json: rope_theta is {rope_theta!r}; give a positive number.")
+    partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ConfigError(f"config.json: partial_rotary_factor is {partial!r}: rotary embeddings over part of a head "
+                          f"are not supported (only whole heads, 1.0).")
     kind = rope.pop("type", None) or rope.get("rope_type", "default")
     if kind == "default":
         return float(rope_theta), None
@@ -481,8 +486,8 @@ class EngineArgs:
         self._check_types()
         if self.trust_remote_code:
             raise ConfigError(f"{flag('trust_remote_code')}: pagedserve never runs code from a model folder; it serves "
-                              f"Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE from config.json and the weights "
-                              f"alone. Leave the flag out.")
+                              f"Llama, Mistral, Mixtral, Phi-3/4, Qwen2, Qwen3 and Qwen3-MoE from config.json and the "
+                              f"weights alone. Leave the flag out.")
         if self.quantization not in (None, "none"):
             raise ConfigError(f"{flag('quantization')} {self.quantization}: quantized weights do not run here (only "
                               f"16- and 32-bit weights do). To save memory, --kv-cache-dtype fp8 halves the KV cache.")

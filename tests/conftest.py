@@ -31,6 +31,8 @@ ARCH_CONFIGS = {
     "qwen2": dict(_COMMON, model_type="qwen2", rope_theta=1e6, use_sliding_window=False),
     "qwen3": dict(_COMMON, model_type="qwen3", head_dim=32, rope_theta=1e6, tie_word_embeddings=True,
                   attention_bias=False),
+    # q/k/v and gate/up merged in the checkpoint itself
+    "phi3": dict(_COMMON, model_type="phi3", rope_theta=1e4, sliding_window=None, pad_token_id=0),
     # mixtures of experts: Qwen3-MoE with a dense layer among the sparse ones, renormalised top-2 of 8
     "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", head_dim=32, rope_theta=1e6, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),

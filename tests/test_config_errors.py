@@ -42,6 +42,7 @@ def config_error(**kwargs) -> str:
     (dict(hf_overrides={"rope_parameters": {"rope_theta": -1}}), ["rope_theta is -1"]),
     (dict(hf_overrides={"rope_theta": 5e5}), ["rope_theta is 500000.0 at the top", "in rope_parameters"]),
     (dict(hf_overrides={"max_position_embeddings": "64k"}), ["max_position_embeddings is '64k'"]),
+    (dict(hf_overrides={"partial_rotary_factor": 0.75}), ["partial_rotary_factor is 0.75"]),
     (dict(max_model_len="lots"), ["--max-model-len", "lots"]),
     (dict(dtype="int4"), ["--dtype", "int4"]),
     (dict(kv_cache_dtype="int8"), ["--kv-cache-dtype"]),
@@ -380,3 +381,13 @@ def test_llm_arguments_of_the_wrong_type_are_named(kwargs, words):
 
 def test_a_model_folder_may_be_a_path(tiny_path):
     assert LLM(tiny_path, kv_cache_memory="16MiB").engine.config.source.name == str(tiny_path)
+
+
+def test_a_sliding_window_holds_where_the_architecture_applies_it():
+    """Mistral, Mixtral and Phi-3 apply config.json's sliding_window as given; Qwen2 only with use_sliding_window
+    (its files carry a window they do not use). Where it holds, it is the context limit."""
+    phi = {**KNOWN_MODELS["microsoft/phi-4"], "sliding_window": 2047}
+    assert ModelConfig.from_hf_dict(phi).context_limit()[0] == 2047
+    qwen = KNOWN_MODELS["Qwen/Qwen2.5-7B-Instruct"]
+    assert qwen["sliding_window"] == 131072 and ModelConfig.from_hf_dict(qwen).sliding_window is None
+    assert ModelConfig.from_hf_dict({**qwen, "use_sliding_window": True, "sliding_window": 4096}).sliding_window == 4096

@@ -49,7 +49,7 @@ def references(checkpoints):
     return refs
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral"])
 def test_greedy_matches_transformers(arch, checkpoints, references):
     ids, expected = references[arch]
     llm = LLM(str(checkpoints[arch]), kv_cache_memory="16MiB")

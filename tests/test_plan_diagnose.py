@@ -106,7 +106,7 @@ def test_the_shipped_model_facts_give_the_checkpoints_parameter_counts():
              "mistralai/Mistral-7B-v0.3": 7_248_023_552, "Qwen/Qwen2.5-7B-Instruct": 7_615_616_512,
              "mistralai/Mixtral-8x7B-v0.1": 46_702_792_704}
     cards = {"Qwen/Qwen3-0.6B": 0.6, "Qwen/Qwen3-1.7B": 1.7, "Qwen/Qwen3-4B": 4.0, "Qwen/Qwen3-8B": 8.2,
-             "Qwen/Qwen3-14B": 14.8, "Qwen/Qwen3-32B": 32.8, "Qwen/Qwen3-30B-A3B": 30.5}
+             "Qwen/Qwen3-14B": 14.8, "Qwen/Qwen3-32B": 32.8, "Qwen/Qwen3-30B-A3B": 30.5, "microsoft/phi-4": 14.7}
     assert set(exact) | set(cards) == set(KNOWN_MODELS)
     for name, facts in KNOWN_MODELS.items():
         params = ModelConfig.from_hf_dict(facts).num_params()

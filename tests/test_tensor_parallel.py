@@ -15,7 +15,7 @@ GREEDY = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_l
           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "qwen3_moe", "mixtral"])
 def test_two_ranks_match_one(arch, checkpoints):
     kw = dict(kv_cache_memory="4MiB", max_num_batched_tokens=32, max_num_seqs=4)  # chunked prefill + decode
     single = LLM(str(checkpoints[arch]), **kw).generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -1,9 +1,9 @@
-"""One decoder for the Llama family: Llama (and Mistral), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and their
-mixtures of experts, Mixtral and Qwen3-MoE (a ``SparseMoE`` in place of the MLP).
+"""One decoder for the Llama family: Llama (and Mistral, Phi-3), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and
+their mixtures of experts, Mixtral and Qwen3-MoE (a ``SparseMoE`` in place of the MLP).
 
 They differ only in fields of ``ModelConfig``. q/k/v are one merged projection and gate/up another; the loader
-maps Hugging Face's separate tensors into them (``PACKED_WEIGHTS``), and each layer's experts into two stacked
-tensors.
+maps Hugging Face's separate tensors into them (``PACKED_WEIGHTS``; Phi-3's checkpoints have them merged already),
+and each layer's experts into two stacked tensors.
 """
 
 from __future__ import annotations

@@ -92,20 +92,29 @@ def load_safetensors(model: DecoderForCausalLM, path: Path) -> None:
                     raise ConfigError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                       f"expected {tuple(target.shape)}: config.json does not match the weights.")
                 target.copy_(tensor)
-                loaded.add(name + "".join(f"#{i}" for i in (expert, shard) if i is not None))
-    expected = set()
-    for name, p in params.items():
-        last = name.split(".")[-1]
-        packed = name.split(".")[-2] if last in ("weight", "bias") else last
-        pieces = [""]
-        if last in ("w13", "w2"):
-            pieces = [f"#{e}" for e in range(len(p))]
-        if packed in ("qkv_proj", "gate_up_proj", "w13"):
-            pieces = [f"{piece}#{i}" for piece in pieces for i in range(len(model.shard_sizes(packed)))]
-        expected.update(name + piece for piece in pieces)
+                loaded.update(_pieces(name, params[name], expert, shard, model))
+    expected = {piece for name, p in params.items() for piece in _pieces(name, p, None, None, model)}
     missing = sorted(expected - loaded)
     if missing:
         raise ConfigError(f"checkpoint in {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[:3]}.")
+
+
+_PACKED = ("qkv_proj", "gate_up_proj", "w13")
+
+
+def _pieces(name: str, tensor: torch.Tensor, expert: int | None, shard: int | None, model) -> list[str]:
+    """The pieces of parameter ``name`` a checkpoint tensor fills, as "name#expert#shard": one shard of a merged
+    tensor, or all of them where the checkpoint has it merged too (Phi-3's qkv_proj and gate_up_proj); of a stacked
+    experts' tensor, one expert's (``expert`` None: every expert, the pieces a whole load must fill)."""
+    last = name.split(".")[-1]
+    packed = name.split(".")[-2] if last in ("weight", "bias") else last
+    pieces = [""]
+    if last in ("w13", "w2"):
+        pieces = [f"#{e}" for e in (range(len(tensor)) if expert is None else [expert])]
+    if packed in _PACKED:
+        shards = range(len(model.shard_sizes(packed))) if shard is None else [shard]
+        pieces = [f"{piece}#{i}" for piece in pieces for i in shards]
+    return [name + piece for piece in pieces]
 
 
 def _rank_slice(hf_name: str, sl, cfg) -> torch.Tensor:
@@ -130,6 +139,13 @@ def _rank_slice(hf_name: str, sl, cfg) -> torch.Tensor:
             ".up_proj.": (g.rank * width, width), "embed_tokens.": (g.rank * vocab, vocab),
             "lm_head.": (g.rank * vocab, vocab)}
     cols = {".o_proj.": (g.rank * q_rows, q_rows), ".down_proj.": (g.rank * width, width)}
+    # tensors a checkpoint keeps merged (Phi-3): this rank's rows of each part, one after another
+    merged = {".qkv_proj.": [(g.rank * q_rows, q_rows), (cfg.num_heads * d + kv_first * d, kv_local * d),
+                             ((cfg.num_heads + cfg.num_kv_heads) * d + kv_first * d, kv_local * d)],
+              ".gate_up_proj.": [(g.rank * width, width), (cfg.intermediate_size + g.rank * width, width)]}
+    for part, spans in merged.items():
+        if part in hf_name:
+            return torch.cat([sl[start:start + n] for start, n in spans])
     for part, (start, n) in rows.items():
         if part in hf_name:
             return sl[start:start + n]
