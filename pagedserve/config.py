@@ -113,7 +113,8 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(**_experts(cfg, model_type), 
+        return cls(
+            **_experts(cfg, model_type),
             model_type=model_type,
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
