@@ -85,7 +85,7 @@ _VLLM_ONLY_FLAGS = {
                                 "window: leave it out",
     "--enable-lora": "LoRA adapters are not served here",
     "--speculative-config": "speculative decoding is not done here",
-    "--enable-expert-parallel": "mixture-of-experts models are not served here (dense Llama, Mistral, Qwen2, Qwen3 are)",
+    "--enable-expert-parallel": "a mixture of experts shards every expert's width over --tensor-parallel-size instead",
     "--limit-mm-per-prompt": "text models only: leave it out",
     "--api-server-count": "the API server is one event loop beside the engine's thread: leave it out",
     "--backend": "`bench serve` and `bench sweep` shape their requests by --endpoint: leave it out",
