@@ -124,15 +124,20 @@ class InputProcessor:
         return [(first, text)] + [
             (Request(f"{request_id}-{j}", first.prompt_token_ids, params.child(j), self.eos_token_ids, first.max_tokens,
                      arrival_time=first.arrival_time, priority=priority, cache_salt=first.cache_salt,
-                     **self._constraints(params, first.prompt_token_ids)), text)
+                     grammar=self._grammar(params, first.prompt_token_ids), allowed_tokens=first.allowed_tokens,
+                     bad_words=first.bad_words), text)
             for j in range(1, params.n)]
 
-    def _constraints(self, params: SamplingParams, prompt_token_ids: list[int]) -> dict:
-        """What holds a request's samples, as ``Request`` takes it: its grammar (each sample's own state), its
-        allowed tokens as bits, and its bad words as token ids."""
+    def _grammar(self, params: SamplingParams, prompt_token_ids: list[int]):
+        """Structured output's state, one for each sample (it follows that sample's tokens)."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.grammar(params.structured_outputs, prompt_token_ids)
+
+    def _token_limits(self, params: SamplingParams) -> dict:
+        """What limits the tokens a request may sample, as ``Request`` takes it: its allowed tokens as bits, its bad
+        words as token ids (the samples of one prompt share them)."""
         out: dict = {}
-        if params.structured_outputs is not None:
-            out["grammar"] = self.grammars.grammar(params.structured_outputs, prompt_token_ids)
         if params.allowed_token_ids:
             ids = np.asarray(params.allowed_token_ids, dtype=np.int64)
             bits = np.zeros(-(-self.config.model.vocab_size // 32), dtype=np.uint32)
@@ -207,8 +212,8 @@ class InputProcessor:
                                   f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
                                   f"Please reduce the length of the prompt or max_tokens.")
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
-        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, priority=priority, cache_salt=salt,
-                       **self._constraints(params, ids), **kwargs), text
+        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, grammar=self._grammar(params, ids),
+                       priority=priority, cache_salt=salt, **self._token_limits(params), **kwargs), text
 
 
 def _unpack(prompt: dict) -> tuple[str | list[int], str | None]:
