@@ -44,9 +44,6 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
     told_prompt = [False] * len(streams)
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
-    def prompt_scores(out: RequestOutput) -> dict:
-        return {} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs(out, named)}
-
     def choice(i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
         text, ids, entries, first = c.text, c.token_ids, c.logprobs, None
@@ -66,7 +63,8 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerState 
                 told_prompt[i], token_ids["prompt_token_ids"] = True, list(out.prompt_token_ids)
         return {"index": i, "text": text, "logprobs": lp,
                 "finish_reason": c.finish_reason if out.finished else None,
-                "stop_reason": c.stop_reason if out.finished else None, **token_ids, **prompt_scores(out)}
+                "stop_reason": c.stop_reason if out.finished else None, **token_ids,
+                **_prompt_logprobs(body, out, named)}
 
     return await _respond(body, raw, streams, _Usage(params.n, state.settings.prompt_tokens_details), head, choice,
                           lambda finals, usage: {**head, "choices": [choice(i, out) for i, out in enumerate(finals)],
@@ -146,9 +144,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Ser
             choices.append({"index": j, "message": parsers[j].feed(c.text, last=True).message_json(),
                             "logprobs": logprobs(c), "finish_reason": parsers[j].finish_reason(c.finish_reason),
                             "stop_reason": c.stop_reason, **ids_of(c)})
-        scores = {} if body.prompt_logprobs is None else {"prompt_logprobs": _prompt_logprobs(finals[0], named)}
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": usage, **prompt_ids(finals[0]), **scores}
+                "usage": usage, **prompt_ids(finals[0]), **_prompt_logprobs(body, finals[0], named)}
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     return await _respond(body, raw, streams, _Usage(params.n, state.settings.prompt_tokens_details), head, delta,
@@ -280,11 +277,14 @@ def _completion_logprobs(ids: list[int], entries: list, n: int | None, offset: i
                              for e in entries]}, offset
 
 
-def _prompt_logprobs(out: RequestOutput, named: TokenNamer) -> list:
-    """vLLM's prompt_logprobs: None for the first prompt token (nothing before it), then for each the prompt
-    token's and the top N's {token id: {"logprob", "rank", "decoded_token"}}."""
-    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": named(t, lp)}
-                                    for t, lp in e.items()} for e in out.prompt_logprobs]
+def _prompt_logprobs(body, out: RequestOutput, named: TokenNamer) -> dict:
+    """vLLM's prompt_logprobs field where the request asks for it: None for the first prompt token (nothing before
+    it), then for each the prompt token's and the top N's {token id: {"logprob", "rank", "decoded_token"}}."""
+    if body.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": [
+        None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": named(t, lp)}
+                                for t, lp in e.items()} for e in out.prompt_logprobs]}
 
 
 async def _prompt_only(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
