@@ -100,14 +100,14 @@ class ModelConfig:
                 f"Unsupported architecture model_type={model_type!r} "
                 f"(supported: {', '.join(sorted(_SUPPORTED_TYPES))}).")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type in _WINDOW_UNLESS_SAID) else None
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        if window is not None and not _positive_int(window):
             raise ConfigError(f"config.json: sliding_window is {window!r}; give a positive integer, or null for none.")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"Unsupported hidden_act={cfg.get('hidden_act')!r}: only silu is supported.")
         rope_theta, rope_scaling = _rope(cfg)
         max_positions = cfg.get("max_position_embeddings", 4096)
         for key, value in [*((k, cfg.get(k)) for k in _REQUIRED_SIZES), ("max_position_embeddings", max_positions)]:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _positive_int(value):
                 raise ConfigError(f"config.json: {key} is {value!r}; a {model_type} checkpoint gives it as a positive "
                                   f"integer (needed: {', '.join(_REQUIRED_SIZES)}).")
         heads = cfg["num_attention_heads"]
@@ -197,7 +197,7 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
              "expert_intermediate_size": cfg.get("intermediate_size" if mixtral else "moe_intermediate_size"),
              "decoder_sparse_step": 1 if mixtral else cfg.get("decoder_sparse_step", 1)}
     for key, value in facts.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not _positive_int(value):
             raise ConfigError(f"config.json: a {model_type} checkpoint gives its {key} as a positive integer, not "
                               f"{value!r}.")
     if facts["experts_per_token"] > facts["num_experts"]:
@@ -241,6 +241,10 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
 
 def _positive_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # The largest step with prompt tokens replayed as a CUDA graph unless told: launched kernel by kernel, such a
@@ -359,15 +363,16 @@ class GenerationDefaults:
         return ", ".join(f"{k}={v}" for k, v in values.items())
 
 
-def _json_object(value: str | dict, field: str, example: str) -> dict:
-    """A flag's JSON object: text on the command line, a mapping as it is from Python or YAML."""
+def json_object(value: str | dict, name: str, example: str) -> dict:
+    """A flag's JSON object (``name``: the flag as an error names it): text on the command line, a mapping as it is
+    from Python or YAML."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as e:
-            raise ConfigError(f"{flag(field)}: {value!r} is not JSON ({e}); give an object such as '{example}'.") from e
+            raise ConfigError(f"{name}: {value!r} is not JSON ({e}); give an object such as '{example}'.") from e
     if not isinstance(value, dict):
-        raise ConfigError(f"{flag(field)}: {value!r} is not a JSON object; give one such as '{example}'.")
+        raise ConfigError(f"{name}: {value!r} is not a JSON object; give one such as '{example}'.")
     return value
 
 
@@ -377,7 +382,7 @@ def _overridden(hf_config: dict, overrides: str | dict | None) -> dict:
     if overrides is None:
         return hf_config
     merged = dict(hf_config)
-    for key, value in _json_object(overrides, "hf_overrides", '{"max_position_embeddings": 65536}').items():
+    for key, value in json_object(overrides, flag("hf_overrides"), '{"max_position_embeddings": 65536}').items():
         old = merged.get(key)
         merged[key] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
     return merged
@@ -385,7 +390,7 @@ def _overridden(hf_config: dict, overrides: str | dict | None) -> dict:
 
 def _override_mapping(value: str | dict) -> dict:
     """--override-generation-config's value, of the keys a generation config sets."""
-    value = _json_object(value, "override_generation_config", '{"temperature": 0.6}')
+    value = json_object(value, flag("override_generation_config"), '{"temperature": 0.6}')
     allowed = (*_GENERATION_DEFAULTS, "max_new_tokens")
     if set(value) - set(allowed):
         raise ConfigError(f"{flag('override_generation_config')}: {value!r}: give an object of "

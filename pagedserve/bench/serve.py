@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.bench.datasets import SampleRequest
 from pagedserve.bench.metrics import RequestResult, calculate_metrics, histogram_quantile, scrape
+from pagedserve.config import json_object
 from pagedserve.errors import BenchmarkError, ConfigError, InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
 
@@ -90,12 +91,7 @@ def request_sampling(ns: argparse.Namespace) -> dict:
         raise ConfigError(f"--{e.param.replace('_', '-')}: {e}") from None
     extra = {}
     if ns.extra_body is not None:
-        try:
-            extra = json.loads(ns.extra_body)
-        except ValueError as e:
-            raise ConfigError(f"--extra-body: {ns.extra_body!r} is not JSON ({e}).") from None
-        if not isinstance(extra, dict):
-            raise ConfigError(f"--extra-body: {ns.extra_body!r} is not a JSON object of request fields.")
+        extra = json_object(ns.extra_body, "--extra-body", '{"chat_template_kwargs": {"enable_thinking": false}}')
         taken = sorted(set(extra) & set(_MEASURED_FIELDS))
         if taken:
             raise ConfigError(f"--extra-body: {', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by the "
